@@ -1,0 +1,340 @@
+"""Typed view of `params.yaml`: loaded and validated once, one section per stage.
+
+    from components.config import load_params
+    p = load_params()                                    # ./params.yaml
+    p = load_params("params.yaml", overrides={"retromae.train.max_steps": 5})
+
+Every knob of the pipeline lives here. Unknown keys, wrong types and out-of-range values raise
+`ParamsError`, whose message names the dotted key, what was given and what is allowed. A paper
+preset lives in `params/paper.yaml`; it is a partial file merged over `params.yaml`
+(`load_params(presets=["params/paper.yaml"])`, or `dvc exp run -S` for single keys).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PARAMS_FILE = "params.yaml"
+ENV_PRESETS = "RETRO_REALM_PRESETS"  # colon-separated preset files merged over params.yaml
+
+
+class ParamsError(ValueError):
+    """A params file is malformed. The message names the file and the dotted key."""
+
+
+class _Section(BaseModel):
+    # extra="forbid": a typo in params.yaml must fail loudly, never be ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+# ----------------------------------------------------------------------------------------------
+# shared sub-sections
+# ----------------------------------------------------------------------------------------------
+class ComputeParams(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    nproc: int = Field(1, ge=1, le=1024, description="processes per node; >1 launches torchrun")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch default")
+    seed: int = Field(1234, ge=0)
+    ddp_backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class TrackingParams(_Section):
+    experiment: str = Field("retro-realm", min_length=1)
+    # None: use $MLFLOW_TRACKING_URI if set, else the embedded sqlite store below.
+    uri: str | None = None
+    embedded_uri: str = "sqlite:///mlflow.db"
+    upload_large_artifacts: bool = False
+    large_artifact_mb: float = Field(20.0, gt=0)
+    log_every: int = Field(1, ge=1, description="log step metrics every N optimiser steps")
+
+
+class EncoderParams(_Section):
+    """A BERT-like encoder: built from this config (`init: config`) or loaded from a folder."""
+
+    init: Literal["config", "pretrained"] = "config"
+    pretrained_path: str | None = None  # local HF folder, or a hub name when online
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(512, ge=8)
+    max_position: int = Field(512, ge=8)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EncoderParams":
+        if self.init == "pretrained" and not self.pretrained_path:
+            raise ValueError("init=pretrained needs pretrained_path (a local HF model folder)")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        return self
+
+
+class TrainParams(_Section):
+    """The shared trainer's knobs; each training stage has its own copy."""
+
+    batch_size: int = Field(16, ge=1, description="global batch per optimiser step (all ranks, before accumulation)")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0, le=1.0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_ratio: float = Field(0.1, ge=0, le=1)
+    max_steps: int = Field(100, ge=1)
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    adam_beta1: float = Field(0.9, gt=0, lt=1)
+    adam_beta2: float = Field(0.999, gt=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    checkpoint_every: int = Field(50, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    max_bad_steps: int = Field(5, ge=0, description="stop after this many consecutive NaN/inf losses")
+    num_workers: int = Field(0, ge=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# stage sections
+# ----------------------------------------------------------------------------------------------
+class JsonlFields(_Section):
+    text: str = "text"
+    title: str | None = "title"
+    id: str | None = "id"
+
+
+class SyntheticParams(_Section):
+    num_entities: int = Field(120, ge=1)
+    docs_per_entity: int = Field(2, ge=1)
+    attributes_per_entity: int = Field(4, ge=1, le=8)
+    questions_per_entity: int = Field(3, ge=1)
+    distractor_docs: int = Field(40, ge=0, description="documents about no entity (noise)")
+    seed: int = Field(7, ge=0)
+
+
+class SplitParams(_Section):
+    """Split by question, used when the source has no train/dev/test qrels of its own."""
+
+    dev: float = Field(0.1, ge=0, lt=1)
+    test: float = Field(0.2, ge=0, lt=1)
+    seed: int = 13
+
+    @model_validator(mode="after")
+    def _check(self) -> "SplitParams":
+        if self.dev + self.test >= 1:
+            raise ValueError(f"dev + test must be < 1 (got {self.dev} + {self.test})")
+        return self
+
+
+class DataParams(_Section):
+    source: Literal["synthetic", "txt", "jsonl", "beir", "hf", "s3"] = "synthetic"
+    path: str | None = Field(None, description="file, folder, HF name / save_to_disk folder, or s3://bucket/prefix")
+    format: Literal["auto", "txt", "jsonl", "beir"] = Field("auto", description="file format under an s3:// prefix")
+    txt_mode: Literal["line", "paragraph"] = "paragraph"
+    jsonl_fields: JsonlFields = JsonlFields()
+    hf_split: str = "train"
+    s3_endpoint_url: str | None = Field(None, description="None: $AWS_ENDPOINT_URL / boto3 default")
+    on_error: Literal["raise", "skip"] = "raise"
+    min_chars: int = Field(1, ge=1)
+    max_docs: int = Field(0, ge=0, description="0 = no cap")
+    synthetic: SyntheticParams = SyntheticParams()
+    split: SplitParams = SplitParams()
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataParams":
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"source={self.source} needs `path`")
+        return self
+
+
+class TokenizeParams(_Section):
+    tokenizer: Literal["train", "pretrained"] = "train"
+    pretrained_path: str | None = Field(None, description="local HF tokenizer folder (or a hub name when online)")
+    vocab_size: int = Field(4000, ge=200)
+    lowercase: bool = True
+    min_frequency: int = Field(2, ge=1)
+    pretrain_block_len: int = Field(126, ge=8, description="tokens per packed pre-training block, without [CLS]/[SEP] (RetroMAE: 510)")
+    retrieval_block_len: int = Field(64, ge=8, description="tokens per retrieval block, without specials (REALM: 288)")
+    num_proc: int = Field(1, ge=1)
+    batch_size: int = Field(1000, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TokenizeParams":
+        if self.tokenizer == "pretrained" and not self.pretrained_path:
+            raise ValueError("tokenizer=pretrained needs pretrained_path")
+        return self
+
+
+class RetroMAEParams(_Section):
+    encoder: EncoderParams = EncoderParams()
+    max_len: int = Field(128, ge=8, description="sequence length incl. [CLS]/[SEP]")
+    encoder_mask_ratio: float = Field(0.3, gt=0, lt=1)
+    decoder_mask_ratio: float = Field(0.5, gt=0, lt=1)
+    mask_pool_size: int = Field(128, ge=1, description="whole-word masks drawn per sequence; each decoder row samples one")
+    # raw: H1 = [CLS] + position embeddings, no LayerNorm (the RetroMAE reference code; default).
+    # embedding: H1 goes through the embedding LayerNorm + dropout (FlagEmbedding's copy).
+    h1_mode: Literal["raw", "embedding"] = "raw"
+    train: TrainParams = TrainParams(batch_size=16, lr=3e-4, max_steps=150, checkpoint_every=50)
+
+
+class MLMParams(_Section):
+    """Plain-MLM sibling of RetroMAE with the same encoder and compute: the baseline it must beat."""
+
+    enabled: bool = True
+    mask_ratio: float = Field(0.3, gt=0, lt=1)
+
+
+class RealmParams(_Section):
+    retriever_init: Literal["retromae", "ict", "random"] = "retromae"
+    retriever_dim: int = Field(128, ge=8)
+    share_towers: bool = True
+    query_len: int = Field(48, ge=8, description="tokens of x incl. specials (paper: 96)")
+    block_len: int = Field(80, ge=8, description="tokens of z incl. specials (paper: 288)")
+    top_k: int = Field(8, ge=1, description="documents per example incl. the null document")
+    marginalization: Literal["per_token", "per_sequence"] = "per_token"
+    masking: Literal["salient_span", "random_token", "random_span"] = "salient_span"
+    span_tagger: Literal["auto", "regex", "spacy"] = "auto"
+    max_masks: int = Field(10, ge=1)
+    random_mask_ratio: float = Field(0.15, gt=0, lt=1)
+    refresh_every: int = Field(25, ge=0, description="optimiser steps between index refreshes; 0 = never")
+    refresh_mode: Literal["async", "sync"] = "async"
+    index_type: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
+    index_auto_flat_max: int = Field(100_000, ge=1, description="auto: flat up to this many blocks, then hnsw/ivf")
+    embed_batch_size: int = Field(64, ge=1)
+    staleness_probes: int = Field(64, ge=1)
+    staleness_k: int = Field(5, ge=1)
+    ict_steps: int = Field(50, ge=0)
+    ict_mask_rate: float = Field(0.9, ge=0, le=1)
+    train: TrainParams = TrainParams(batch_size=8, lr=1e-4, max_steps=100, checkpoint_every=25)
+
+
+class FinetuneParams(_Section):
+    retrieval_init: Literal["retromae", "mlm", "init", "pretrained"] = "retromae"
+    retrieval_pretrained_path: str | None = None
+    temperature: float = Field(1.0, gt=0)
+    hard_negatives: int = Field(1, ge=0)
+    hard_negative_source: Literal["bm25", "dense"] = "bm25"
+    negatives_cross_device: bool = True
+    query_len: int = Field(32, ge=8)
+    passage_len: int = Field(80, ge=8)
+    qa_top_k: int = Field(5, ge=1)
+    max_answer_tokens: int = Field(10, ge=1)
+    qa_enabled: bool = True
+    train: TrainParams = TrainParams(batch_size=16, lr=5e-5, max_steps=100, checkpoint_every=50)
+    qa_train: TrainParams = TrainParams(batch_size=4, lr=5e-5, max_steps=60, checkpoint_every=30)
+
+
+class EvalSet(_Section):
+    name: str = Field(min_length=1)
+    beir_path: str | None = None
+    qa_path: str | None = None
+
+
+class EvaluateParams(_Section):
+    recall_at: list[int] = Field(default_factory=lambda: [1, 5, 20, 100])
+    batch_size: int = Field(64, ge=1)
+    query_len: int = Field(32, ge=8)
+    passage_len: int = Field(80, ge=8)
+    extra_sets: list[EvalSet] = Field(default_factory=list)
+
+
+class Params(_Section):
+    compute: ComputeParams = ComputeParams()
+    tracking: TrackingParams = TrackingParams()
+    data: DataParams = DataParams()
+    tokenize: TokenizeParams = TokenizeParams()
+    retromae: RetroMAEParams = RetroMAEParams()
+    mlm: MLMParams = MLMParams()
+    realm: RealmParams = RealmParams()
+    finetune: FinetuneParams = FinetuneParams()
+    evaluate: EvaluateParams = EvaluateParams()
+
+    def section_digest(self, *sections: str) -> str:
+        """sha256 over the named sections (all when none): tags runs with what they were given."""
+        names = sections or tuple(type(self).model_fields)
+        blob = json.dumps({s: getattr(self, s).model_dump(mode="json") for s in names}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
+    """Set dotted keys (`{"retromae.train.max_steps": 5}`), as `dvc exp run -S` does."""
+    out = copy.deepcopy(raw)
+    for dotted, value in (overrides or {}).items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ParamsError(f"override {dotted!r}: {p!r} is not a section")
+        node[leaf] = value
+    return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: {err.error_count()} invalid param(s):"]
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(e["loc"][:-1])
+            allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
+            msg = f"unknown key; allowed keys here: {allowed}"
+        elif e["type"] == "literal_error":
+            msg = f"{msg} (got {e.get('input')!r})"
+        elif "input" in e and not isinstance(e["input"], dict):
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"  - {key}: {msg}")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: Any = Params
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        model = field.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise ParamsError(f"{path}: params file not found (run from the repo root, or pass its path)")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def load_params(
+    path: str | os.PathLike = PARAMS_FILE,
+    overrides: dict[str, Any] | None = None,
+    presets: list[str | os.PathLike] | None = None,
+) -> Params:
+    """Read params.yaml (+ preset files, + dotted overrides) and validate it into `Params`."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    preset_files = list(presets or []) + [p for p in os.environ.get(ENV_PRESETS, "").split(":") if p]
+    for preset in preset_files:
+        raw = _deep_merge(raw, _read_yaml(Path(preset)))
+    raw = apply_overrides(raw, overrides)
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        raise ParamsError(_format_errors(e, str(path))) from None

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create .venv with the exact pinned stack (requirements/lock.txt) and install this project into it.
+#
+#   bash scripts/setup.sh            # idempotent; ~1 min with a warm uv cache, a few minutes cold
+#
+# CPU torch: if PIP_FIND_LINKS points at a folder holding the torch 2.13.0 CPU wheel, uv is told about it.
+# Otherwise set UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu for a CPU build, or install your
+# own CUDA torch afterwards (see README "GPU machines").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if ! command -v uv >/dev/null 2>&1; then
+  echo "[setup] installing uv (fast, deterministic resolver) with pip"
+  "$PY" -m pip install --quiet "uv==0.13.9"
+fi
+UV="$(command -v uv || echo "$PY -m uv")"
+
+find_links=()
+for d in ${PIP_FIND_LINKS:-}; do find_links+=(--find-links "$d"); done
+
+stamp="$VENV/.lock.sha256"
+want="$(sha256sum requirements/lock.txt pyproject.toml | sha256sum | cut -c1-64)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "[setup] $VENV is up to date with requirements/lock.txt"
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || $UV venv --quiet --python "$PY" "$VENV"
+echo "[setup] syncing $VENV to requirements/lock.txt"
+# --compile-bytecode: this environment may set PYTHONDONTWRITEBYTECODE=1, and imports are 2-4x slower without .pyc.
+VIRTUAL_ENV="$VENV" $UV pip sync --quiet --compile-bytecode "${find_links[@]}" requirements/lock.txt
+VIRTUAL_ENV="$VENV" $UV pip install --quiet --no-deps --compile-bytecode -e .
+echo "$want" > "$stamp"
+echo "[setup] done: $("$VENV/bin/python" -c 'import torch, transformers, mlflow, prefect; print("torch", torch.__version__, "transformers", transformers.__version__, "mlflow", mlflow.__version__, "prefect", prefect.__version__)')"
