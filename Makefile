@@ -1,0 +1,41 @@
+# retro-realm: every entry point. `make help` lists them.
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+export OMP_NUM_THREADS ?= 2
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: help setup run test test-fast bench lock servers-up servers-down clean-outputs
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+setup:  ## create .venv from requirements/lock.txt (idempotent)
+	@bash scripts/setup.sh
+
+run: setup  ## the main job: the whole pipeline (dvc repro) on the embedded default (tiny preset)
+	$(PY) -m flows.pipeline
+
+test: setup  ## the full test suite (slow tests included; < 15 min on 2 cores)
+	$(PY) -m pytest -q
+
+test-fast: setup  ## unit + stage tests only
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup  ## the benchmark suite: bench/results/*.json and bench/README.md
+	$(PY) -m bench.run_all
+
+lock:  ## recompile requirements/lock.txt from requirements/lock.in (needs uv)
+	uv pip compile requirements/lock.in --python-version 3.11 --no-header -q -o requirements/lock.txt $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
+	sed -i 's/^torch==\([0-9.]*\)+cpu/torch==\1/' requirements/lock.txt
+
+servers-up: setup  ## start MLflow, Prefect (+ process worker) and S3 (moto) on 127.0.0.1
+	bash infra/servers.sh up all
+
+servers-down:  ## stop them
+	bash infra/servers.sh down all
+
+clean-outputs:  ## delete pipeline outputs and checkpoints (not the DVC cache)
+	rm -rf data models metrics plots checkpoints

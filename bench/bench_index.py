@@ -1,0 +1,207 @@
+"""FAISS flat vs IVF vs HNSW (inner product) on random vectors: build time, search time, recall@k.
+
+    .venv/bin/python bench/bench_index.py                  # 10k and 100k, 128-d
+    .venv/bin/python bench/bench_index.py --big            # + 1M (about 10-20 min on 2 cores)
+    .venv/bin/python bench/bench_index.py --data clustered # mixture of Gaussians (closer to real embeddings)
+
+Each size: build every index with `components.index.faiss_index.build_index` (the defaults the
+pipeline uses), then time
+  * a batch of `--queries` queries (dense eval / throughput: ms per query),
+  * a batch of `--step-batch` queries (one REALM training step's retrieval: ms per call),
+and recall@k of IVF/HNSW against flat's exact answers. `--sweep` adds IVF nprobe / HNSW efSearch
+sweeps. Prints a table, writes `bench/results/index.json` (or `--out`), and recommends
+`realm.index_auto_flat_max` from the numbers (see `recommend`).
+
+Gaussian random vectors are the hard case for approximate search (no cluster structure), so the
+recall here is a lower bound on what real block embeddings get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from components.index import faiss_index as fi  # noqa: E402
+
+
+def make_data(n: int, d: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    if kind == "gaussian":
+        return rng.standard_normal((n, d), dtype=np.float32)
+    # clustered: sqrt(n) centres, points = centre + noise (embeddings of related passages cluster)
+    centres = rng.standard_normal((max(2, int(np.sqrt(n))), d), dtype=np.float32)
+    which = rng.integers(0, len(centres), n)
+    return centres[which] + 0.5 * rng.standard_normal((n, d), dtype=np.float32)
+
+
+def recall_at(rows: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.mean([len(set(a[a >= 0]) & set(b)) / len(b) for a, b in zip(rows, exact)]))
+
+
+def time_search(index: faiss.Index, q: np.ndarray, k: int, reps: int) -> tuple[float, np.ndarray]:
+    """Median seconds over `reps` calls (after one warm-up) and the rows of the last call."""
+    index.search(q, k)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _, rows = index.search(q, k)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), rows
+
+
+def index_bytes(index: faiss.Index) -> int:
+    return int(faiss.serialize_index(index).size)
+
+
+def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator) -> dict:
+    x = make_data(n, args.dim, args.data, rng)  # (N, d)
+    q = make_data(args.queries, args.dim, args.data, rng)  # (Q, d)
+    q_step = q[: args.step_batch]
+    out: dict = {"n": n, "indexes": {}}
+    exact = None
+    for kind in ("flat", "ivf", "hnsw"):
+        t0 = time.perf_counter()
+        index = fi.build_index(x, kind, use_gpu=False)
+        build_s = time.perf_counter() - t0
+        batch_s, rows = time_search(index, q, args.k, reps=1 if n >= 1_000_000 else 3)
+        step_s, _ = time_search(index, q_step, args.k, reps=10 if n >= 1_000_000 else 30)
+        if kind == "flat":
+            exact = rows
+        row = {
+            "build_s": build_s,
+            "search_ms_per_query": 1000 * batch_s / len(q),
+            "step_search_ms": 1000 * step_s,
+            f"recall@{args.k}": recall_at(rows, exact),
+            "bytes": index_bytes(index),
+            "params": fi._search_params(index),
+        }
+        if args.sweep and kind in ("ivf", "hnsw"):
+            row["sweep"] = sweep(index, kind, q, exact, args)
+        out["indexes"][kind] = row
+        print(
+            f"{n:>9,} {kind:<5} build {build_s:8.2f}s  search {row['search_ms_per_query']:8.4f} ms/q  "
+            f"step(B={args.step_batch}) {row['step_search_ms']:8.2f} ms  recall@{args.k} {row[f'recall@{args.k}']:.3f}  "
+            f"{row['bytes'] / 2**20:8.1f} MiB  {row['params']}",
+            flush=True,
+        )
+        del index
+    flat = out["indexes"]["flat"]
+    for kind in ("ivf", "hnsw"):
+        ann = out["indexes"][kind]
+        saved_ms = flat["search_ms_per_query"] - ann["search_ms_per_query"]
+        # queries one index version must serve before the ANN build pays for itself
+        ann["break_even_queries"] = 1000 * ann["build_s"] / saved_ms if saved_ms > 0 else None
+    return out
+
+
+def sweep(index: faiss.Index, kind: str, q: np.ndarray, exact: np.ndarray, args: argparse.Namespace) -> list[dict]:
+    cpu = faiss.downcast_index(index)
+    original = fi._search_params(cpu)
+    if kind == "ivf":
+        knob, values = "nprobe", sorted({max(1, cpu.nlist // f) for f in (64, 32, 16, 8, 4)})
+    else:
+        knob, values = "efSearch", [16, 32, 64, 128, 256]
+    res = []
+    for v in values:
+        fi._apply_search_params(cpu, {knob: v})
+        s, rows = time_search(cpu, q, args.k, reps=1)
+        res.append({knob: v, "ms_per_query": 1000 * s / len(q), f"recall@{args.k}": recall_at(rows, exact)})
+    fi._apply_search_params(cpu, original)
+    return res
+
+
+def recommend(results: list[dict], args: argparse.Namespace) -> dict:
+    """Where `auto` should stop using exact search.
+
+    During REALM an index version serves `refresh_every * batch` queries before it is rebuilt
+    (25 * 8 = 200 with params.yaml), so an ANN index must pay back its build within that many
+    queries (`break_even_queries`), and it costs recall. Flat only loses once its per-step
+    search latency itself becomes a problem. Rule: keep flat while a REALM step's exact search
+    stays under `--step-budget-ms`; flat latency is linear in N, so extrapolate from the
+    largest measured size and round down to a 1-2-5 step.
+    """
+    largest = max(results, key=lambda r: r["n"])
+    ms_per_block = largest["indexes"]["flat"]["step_search_ms"] / largest["n"]
+    n_budget = args.step_budget_ms / ms_per_block
+    nice = max(v for v in _nice_numbers() if v <= max(n_budget, 1_000))
+    queries_per_version = args.refresh_every * args.step_batch
+    hnsw_pays_back = {
+        r["n"]: (r["indexes"]["hnsw"]["break_even_queries"] or float("inf")) <= queries_per_version for r in results
+    }
+    return {
+        "index_auto_flat_max": int(nice),
+        "flat_step_ms_per_1M_blocks": ms_per_block * 1e6,
+        "step_budget_ms": args.step_budget_ms,
+        "queries_per_index_version": queries_per_version,
+        "hnsw_pays_back_within_one_refresh": hnsw_pays_back,
+    }
+
+
+def _nice_numbers() -> list[int]:
+    return [m * 10**e for e in range(3, 10) for m in (1, 2, 5)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--big", action="store_true", help="add 1M vectors")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--queries", type=int, default=1000)
+    ap.add_argument("--step-batch", type=int, default=8, help="queries per REALM step (realm.train.batch_size)")
+    ap.add_argument("--refresh-every", type=int, default=25, help="realm.refresh_every")
+    ap.add_argument("--step-budget-ms", type=float, default=50.0, help="max exact-search ms per REALM step")
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--data", choices=["gaussian", "clustered"], default="gaussian")
+    ap.add_argument("--sweep", action="store_true", help="nprobe / efSearch sweeps")
+    ap.add_argument("--threads", type=int, default=0, help="faiss OpenMP threads (0 = all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/index.json")
+    args = ap.parse_args(argv)
+    if args.threads:
+        faiss.omp_set_num_threads(args.threads)
+    sizes = sorted(set(args.sizes + ([1_000_000] if args.big else [])))
+    rng = np.random.default_rng(args.seed)
+
+    env = {
+        "faiss": faiss.__version__,
+        "omp_threads": faiss.omp_get_max_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+    }
+    print(f"faiss {env['faiss']}, {env['omp_threads']} threads, dim {args.dim}, {args.data} data, "
+          f"{args.queries} queries, k={args.k}", flush=True)
+    results = [bench_size(n, args, rng) for n in sizes]
+    rec = recommend(results, args)
+
+    print(f"\n{'N':>9} {'index':<5} {'build s':>9} {'ms/query':>9} {'step ms':>9} {f'R@{args.k}':>6} {'break-even q':>13}")
+    for r in results:
+        for kind, row in r["indexes"].items():
+            be = row.get("break_even_queries")
+            be_s = "-" if kind == "flat" else ("never" if be is None else f"{be:,.0f}")
+            print(f"{r['n']:>9,} {kind:<5} {row['build_s']:>9.2f} {row['search_ms_per_query']:>9.4f} "
+                  f"{row['step_search_ms']:>9.2f} {row[f'recall@{args.k}']:>6.3f} {be_s:>13}")
+    print(f"\nrecommend realm.index_auto_flat_max = {rec['index_auto_flat_max']:,} "
+          f"(flat step search ~{rec['flat_step_ms_per_1M_blocks']:.0f} ms per 1M blocks at B={args.step_batch}; "
+          f"budget {args.step_budget_ms:.0f} ms)")
+
+    report = {"args": vars(args), "env": env, "results": results, "recommendation": rec}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, out)  # atomic: a killed run never leaves half a JSON
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Corpus readers, normalisation and de-duplication: the body of the `prepare_corpus` stage.
+
+Every reader returns passages as dicts `{doc_id, title, text, spans}` plus a `ReadReport`.
+Bad input raises `DataError` naming the file, the line and a fix; with `on_error="skip"` the
+bad lines are skipped and *counted* in the report (never dropped silently).
+
+    python -m flows.prepare_corpus            # the stage, as dvc.yaml runs it
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from components.config import DataParams
+from components.data.errors import DataError
+
+Passage = dict  # {doc_id: str, title: str, text: str, spans: list[{start, end, label}]}
+
+
+@dataclass
+class ReadReport:
+    files: list[str] = field(default_factory=list)
+    records_read: int = 0
+    skipped: list[str] = field(default_factory=list)  # "file:line: problem", one per skipped record
+    empty_dropped: int = 0
+
+    def skip(self, err: DataError) -> None:
+        self.skipped.append(str(err))
+
+    def as_dict(self) -> dict:
+        return {
+            "files": self.files,
+            "records_read": self.records_read,
+            "skipped": len(self.skipped),
+            "skipped_examples": self.skipped[:20],
+            "empty_dropped": self.empty_dropped,
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# line-level reading with precise errors
+# ----------------------------------------------------------------------------------------------
+def _require_file(path: Path) -> None:
+    if not path.exists():
+        raise DataError(path, "file not found", fix="check data.path in params.yaml (paths are relative to the repo root)")
+    if path.is_dir():
+        raise DataError(path, "is a folder, expected a file", fix="point data.path at the file, or use data.source: beir for a BEIR folder")
+    if path.stat().st_size == 0:
+        raise DataError(path, "file is empty", fix="give a non-empty corpus file")
+
+
+def iter_lines(path: Path, report: ReadReport, on_error: str) -> Iterator[tuple[int, str]]:
+    """(line_number, text) for each line, decoding UTF-8 per line so an error names its line."""
+    _require_file(path)
+    report.files.append(str(path))
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                err = DataError(path, f"not valid UTF-8 at byte {e.start} of the line", line=lineno,
+                                fix="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or set data.on_error: skip")
+                if on_error == "skip":
+                    report.skip(err)
+                    continue
+                raise err from None
+
+
+def normalize_text(text: str) -> str:
+    """NFC + collapse all whitespace runs to one space + strip."""
+    return " ".join(unicodedata.normalize("NFC", text).split())
+
+
+def read_txt(path: str | Path, mode: str = "paragraph", on_error: str = "raise") -> tuple[list[Passage], ReadReport]:
+    """`line`: one passage per non-empty line. `paragraph`: passages separated by blank lines."""
+    path, report = Path(path), ReadReport()
+    out: list[Passage] = []
+    buf: list[str] = []
+    start = 0
+
+    def flush() -> None:
+        if buf:
+            out.append({"doc_id": f"{path.stem}-{start}", "title": "", "text": " ".join(buf), "spans": []})
+            buf.clear()
+
+    for lineno, line in iter_lines(path, report, on_error):
+        if not line.strip():
+            flush()
+            continue
+        if mode == "line":
+            out.append({"doc_id": f"{path.stem}-{lineno}", "title": "", "text": line, "spans": []})
+            continue
+        if not buf:
+            start = lineno
+        buf.append(line.strip())
+    flush()
+    report.records_read = len(out)
+    return out, report
+
+
+def _json_error(path: Path, lineno: int, problem: str, fix: str, report: ReadReport, on_error: str) -> None:
+    err = DataError(path, problem, line=lineno, fix=fix)
+    if on_error != "skip":
+        raise err
+    report.skip(err)
+
+
+def read_jsonl(path: str | Path, text_field: str = "text", title_field: str | None = "title",
+               id_field: str | None = "id", on_error: str = "raise") -> tuple[list[Passage], ReadReport]:
+    path, report = Path(path), ReadReport()
+    out: list[Passage] = []
+    for lineno, line in iter_lines(path, report, on_error):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            _json_error(path, lineno, f"malformed JSON ({e.msg} at column {e.colno})",
+                        "fix or remove the line, or set data.on_error: skip", report, on_error)
+            continue
+        if not isinstance(rec, dict):
+            _json_error(path, lineno, f"expected a JSON object, got {type(rec).__name__}",
+                        "each line must be one object like {\"text\": ...}", report, on_error)
+            continue
+        text = rec.get(text_field)
+        if not isinstance(text, str):
+            problem = f"missing field {text_field!r}" if text is None else f"field {text_field!r} is {type(text).__name__}, not a string"
+            _json_error(path, lineno, problem,
+                        f"add it, or set data.jsonl_fields.text to the field holding the text (keys here: {sorted(rec)[:8]})",
+                        report, on_error)
+            continue
+        doc_id = rec.get(id_field) if id_field else None
+        title = rec.get(title_field) if title_field else None
+        out.append({
+            "doc_id": str(doc_id) if doc_id is not None else f"{path.stem}-{lineno}",
+            "title": title if isinstance(title, str) else "",
+            "text": text,
+            "spans": [],
+        })
+    report.records_read = len(out)
+    return out, report
+
+
+def read_hf(name_or_path: str, split: str, text_field: str, title_field: str | None, id_field: str | None) -> tuple[list[Passage], ReadReport]:
+    """A `save_to_disk` folder (offline) or a hub dataset name (needs network)."""
+    import datasets
+
+    report = ReadReport(files=[name_or_path])
+    if Path(name_or_path).exists():
+        ds = datasets.load_from_disk(name_or_path)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(name_or_path, f"split {split!r} not in {list(ds)}", fix="set data.hf_split")
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(name_or_path, split=split)
+    if text_field not in ds.column_names:
+        raise DataError(name_or_path, f"no column {text_field!r} (columns: {ds.column_names})", fix="set data.jsonl_fields.text")
+    out = []
+    for i, rec in enumerate(ds):
+        out.append({
+            "doc_id": str(rec[id_field]) if id_field and id_field in rec else f"hf-{i}",
+            "title": str(rec.get(title_field) or "") if title_field else "",
+            "text": rec[text_field] or "",
+            "spans": [],
+        })
+    report.records_read = len(out)
+    return out, report
+
+
+# ----------------------------------------------------------------------------------------------
+# normalise + de-duplicate
+# ----------------------------------------------------------------------------------------------
+def normalize_and_dedupe(passages: list[Passage], min_chars: int = 1) -> tuple[list[Passage], dict]:
+    """Normalise text, drop too-short passages, drop exact duplicates (by text hash); keep the first.
+
+    Marked spans are kept only when normalisation leaves the text unchanged (offsets stay valid);
+    the synthetic world emits normalised text, so its spans always survive.
+    """
+    seen: dict[str, str] = {}
+    out: list[Passage] = []
+    ids: set[str] = set()
+    stats = {"input": len(passages), "duplicates_dropped": 0, "too_short_dropped": 0, "duplicate_ids_renamed": 0}
+    for p in passages:
+        text = normalize_text(p["text"])
+        if len(text) < min_chars:
+            stats["too_short_dropped"] += 1
+            continue
+        h = hashlib.sha1(text.encode("utf-8")).hexdigest()
+        if h in seen:
+            stats["duplicates_dropped"] += 1
+            continue
+        seen[h] = p["doc_id"]
+        doc_id = p["doc_id"]
+        if doc_id in ids:  # two different texts under one id: keep both, make the id unique
+            stats["duplicate_ids_renamed"] += 1
+            doc_id = f"{doc_id}~{h[:8]}"
+        ids.add(doc_id)
+        spans = p.get("spans") or []
+        out.append({"doc_id": doc_id, "title": normalize_text(p.get("title") or ""), "text": text,
+                    "spans": spans if text == p["text"] else []})
+    stats["output"] = len(out)
+    return out, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# sources
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class SourceData:
+    """What a source gives the stage: passages, and (when it has them) questions with gold docs."""
+
+    passages: list[Passage]
+    report: ReadReport
+    queries: list[dict] = field(default_factory=list)  # {qid, text, split|None}
+    qrels: dict[str, dict[str, int]] = field(default_factory=dict)  # qid -> {doc_id: rel}
+    qrels_split: dict[str, str] = field(default_factory=dict)  # qid -> split, when the source has splits
+    qa: list[dict] = field(default_factory=list)  # {id, question, answers, positive_ctx}
+
+
+def _read_file_by_suffix(path: Path, p: DataParams) -> tuple[list[Passage], ReadReport]:
+    f = p.jsonl_fields
+    if path.suffix in (".jsonl", ".json"):
+        return read_jsonl(path, f.text, f.title, f.id, p.on_error)
+    return read_txt(path, p.txt_mode, p.on_error)
+
+
+def load_source(p: DataParams) -> SourceData:
+    """Dispatch on `data.source`. Returns raw (not yet normalised) passages."""
+    if p.source == "synthetic":
+        from components.data.synthetic import generate_world
+
+        w = generate_world(p.synthetic, p.split)
+        queries = [{"qid": q["qid"], "text": q["text"], "split": q["split"]} for q in w.queries]
+        qrels = {qid: rels for split in w.qrels.values() for qid, rels in split.items()}
+        return SourceData(list(w.passages), ReadReport(files=["<synthetic>"], records_read=len(w.passages)),
+                          queries, qrels, {q["qid"]: q["split"] for q in w.queries}, list(w.qa))
+    if p.source == "txt":
+        return SourceData(*read_txt(p.path, p.txt_mode, p.on_error))
+    if p.source == "jsonl":
+        f = p.jsonl_fields
+        return SourceData(*read_jsonl(p.path, f.text, f.title, f.id, p.on_error))
+    if p.source == "beir":
+        return read_beir_source(Path(p.path), p.on_error)
+    if p.source == "hf":
+        f = p.jsonl_fields
+        return SourceData(*read_hf(p.path, p.hf_split, f.text, f.title, f.id))
+    if p.source == "s3":
+        return _load_s3(p)
+    raise DataError("params.yaml", f"unknown data.source {p.source!r}")  # unreachable: validated
+
+
+def _load_s3(p: DataParams) -> SourceData:
+    from components.io import s3_download_prefix
+
+    with tempfile.TemporaryDirectory(prefix="rr-s3-") as tmp:
+        files = s3_download_prefix(p.path, tmp, endpoint_url=p.s3_endpoint_url)
+        fmt = p.format
+        if fmt == "auto":
+            fmt = "beir" if any(f.name == "corpus.jsonl" for f in files) else ("jsonl" if files[0].suffix in (".jsonl", ".json") else "txt")
+        if fmt == "beir":
+            root = next(f for f in files if f.name == "corpus.jsonl").parent
+            data = read_beir_source(root, p.on_error)
+        else:
+            passages, report = [], ReadReport()
+            for f in files:
+                ps, r = _read_file_by_suffix(f, p) if fmt == "auto" else (
+                    read_jsonl(f, p.jsonl_fields.text, p.jsonl_fields.title, p.jsonl_fields.id, p.on_error)
+                    if fmt == "jsonl" else read_txt(f, p.txt_mode, p.on_error))
+                passages += ps
+                report.records_read += r.records_read
+                report.skipped += r.skipped
+            data = SourceData(passages, report)
+        data.report.files = [p.path]
+        return data
+
+
+def read_beir_source(root: Path, on_error: str = "raise") -> SourceData:
+    """A BEIR folder: corpus.jsonl (+ queries.jsonl, qrels/*.tsv, and an optional qa.jsonl)."""
+    from components.eval import beir
+
+    if not root.is_dir():
+        raise DataError(root, "BEIR folder not found", fix="set data.path to a folder holding corpus.jsonl")
+    report = ReadReport(files=[str(root)])
+    corpus = beir.read_corpus(root / "corpus.jsonl", on_error=on_error, skipped=report.skipped)
+    passages = [{"doc_id": d, "title": r["title"], "text": r["text"], "spans": []} for d, r in corpus.items()]
+    report.records_read = len(passages)
+    data = SourceData(passages, report)
+    doc_ids = set(corpus)
+    if (root / "queries.jsonl").exists():
+        queries = beir.read_queries(root / "queries.jsonl", on_error=on_error, skipped=report.skipped)
+        split_files = sorted((root / "qrels").glob("*.tsv")) if (root / "qrels").is_dir() else []
+        for f in split_files:
+            qrels = beir.read_qrels(f, known_queries=set(queries), known_docs=doc_ids, on_error=on_error, skipped=report.skipped)
+            for qid, rels in qrels.items():
+                data.qrels.setdefault(qid, {}).update(rels)
+                if f.stem in ("train", "dev", "test") and len(split_files) > 1:
+                    data.qrels_split[qid] = f.stem
+        data.queries = [{"qid": qid, "text": text, "split": data.qrels_split.get(qid)} for qid, text in queries.items() if qid in data.qrels]
+    if (root / "qa.jsonl").exists():
+        data.qa = beir.read_qa(root / "qa.jsonl", known_docs=doc_ids, on_error=on_error, skipped=report.skipped)
+    return data

@@ -1,0 +1,312 @@
+"""REALM pre-training batches: masked queries, retrieved candidates (+ the null document), tensors.
+
+The flow of one training step (the index search stays outside the model so a fresh index can be
+swapped in asynchronously, `refresh_index`):
+
+    queries = [make_query(blocks[r], p, rng, mask_token_id=..., row=r) for r in rows]   # drop Nones
+    x = collate_queries(queries, p, special)                      # [CLS] masked x [SEP]
+    q = retriever.encode_query(x["x_input_ids"], x["x_attention_mask"])  # no grad, (B, d)
+    cand = retrieve_candidates(q, index.search, [q.source_row for q in queries], p.top_k)  # (B, K)
+    batch = collate(queries, cand, blocks, p, special)            # what REALM.forward takes
+(`build_batch` does the last three lines.)
+
+Rows are row numbers of the retrieval-blocks dataset (what the FAISS index returns). In candidate
+rows `NULL_ROW` (-1) is the null document (always slot 0) and `MISSING_ROW` (-2) a slot the index
+could not fill (fewer blocks than K); the latter gets `candidate_mask = False`.
+
+Masking (`RealmParams.masking`), always ONE [MASK] per masked token (REALM does no 80/10/10):
+* `salient_span` (paper, "salient span masking"): one named entity / date of the block, all its
+  whole-word tokens; spans come from the block's `char_spans` (marked by the source), else from
+  `find_salient_spans(text, span_tagger)`. Spans longer than `max_masks` are skipped; a block
+  without a usable span gives None (the released code skips such sentences too).
+* `random_token` (BERT-style ablation): round(random_mask_ratio * len(x)) random tokens, at least 1
+  and capped at `max_masks` (so every mode has the same worst-case label count per query; with the
+  defaults, 0.15 * 46 = 7 < 10, the cap rarely binds).
+* `random_span` (SpanBERT-style ablation): one random contiguous run of whole words, its length in
+  tokens drawn from the block's salient spans (so it matches the salient mode), or 1-4 tokens when
+  the block has none; <= max_masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans
+
+IGNORE_INDEX = -100
+NULL_ROW = -1  # the null document: empty z, `[CLS] x [SEP] [SEP]`
+MISSING_ROW = -2  # no document in this slot (index had fewer than K)
+_FALLBACK_SPAN_LENS = (1, 2, 3, 4)  # random_span length when the block has no salient span
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    cls: int
+    sep: int
+    pad: int
+    mask: int
+
+    @classmethod
+    def from_tokenizer(cls, tok) -> "SpecialTokens":
+        return cls(cls=tok.cls_token_id, sep=tok.sep_token_id, pad=tok.pad_token_id, mask=tok.mask_token_id)
+
+
+@dataclass
+class RealmQuery:
+    """One pre-training query x: a window of a retrieval block with one span masked."""
+
+    input_ids: list[int]  # window tokens, no specials, masked positions = [MASK]
+    labels: list[int]  # original id at masked positions, -100 elsewhere (same length)
+    source_row: int  # row of the block x came from (excluded from its candidates); -1 unknown
+    block_id: str = ""
+    masked: tuple[int, int] | None = None  # [start, end) of the masked span in the window (span modes)
+    masked_positions: list[int] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------
+# masking
+# ----------------------------------------------------------------------------------------------
+def _as_list(x) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def _word_starts(word_ids: Sequence[int]) -> np.ndarray:
+    w = np.asarray(word_ids)
+    return np.concatenate([[True], w[1:] != w[:-1]]) if len(w) else np.zeros(0, dtype=bool)
+
+
+def _whole_words(s: int, e: int, word_ids: Sequence[int]) -> tuple[int, int]:
+    """Grow [s, e) to whole words: masking half a word lets the reader read the answer off the rest."""
+    while s > 0 and word_ids[s - 1] == word_ids[s]:
+        s -= 1
+    while e < len(word_ids) and word_ids[e] == word_ids[e - 1]:
+        e += 1
+    return s, e
+
+
+def salient_token_spans(block_row: dict, tagger: str = "auto") -> list[tuple[int, int]]:
+    """Whole-word token spans of the block's salient spans (source-marked, else tagged)."""
+    char_spans = _as_list(block_row.get("char_spans") or [])
+    if len(char_spans) == 0:
+        char_spans = [(s, e) for s, e, _ in find_salient_spans(block_row.get("text") or "", tagger)]
+    word_ids = _as_list(block_row["word_ids"])
+    spans = char_spans_to_token_spans(char_spans, _as_list(block_row["offsets"]))
+    return sorted({_whole_words(s, e, word_ids) for s, e in spans})
+
+
+def _window_start(n: int, width: int, starts: np.ndarray, rng: np.random.Generator, cover: tuple[int, int] | None = None) -> int:
+    """A random window start; it begins on a word and, if given, contains `cover` entirely."""
+    lo, hi = 0, n - width  # inclusive
+    if cover is not None:
+        lo, hi = max(lo, cover[1] - width), min(hi, cover[0])
+    cand = [i for i in range(lo, hi + 1) if starts[i]] or list(range(lo, hi + 1))
+    return int(cand[rng.integers(len(cand))])
+
+
+def _random_word_span(lo: int, hi: int, target: int, max_masks: int, word_ids: Sequence[int], starts: np.ndarray,
+                      rng: np.random.Generator) -> tuple[int, int] | None:
+    """A run of whole words inside [lo, hi) with about `target` tokens (never more than max_masks)."""
+    word_heads = [i for i in range(lo, hi) if starts[i]]
+    rng.shuffle(word_heads)
+    for s in word_heads:
+        e = s
+        while e < hi:
+            _, nxt = _whole_words(e, e + 1, word_ids)
+            if nxt > hi or nxt - s > max_masks or (e > s and e - s >= target):
+                break
+            e = nxt
+        if e > s:
+            return s, e
+    return None
+
+
+def make_query(
+    block_row: dict,
+    params,  # components.config.RealmParams
+    rng: np.random.Generator,
+    *,
+    mask_token_id: int,
+    row: int | None = None,
+) -> RealmQuery | None:
+    """x for REALM pre-training from one retrieval-block row (see docs/contracts.md).
+
+    Takes a window of at most `query_len - 2` tokens (room for [CLS]/[SEP]) and masks it per
+    `params.masking` (module docstring). Returns None when the block offers nothing to mask.
+    `row` (or `block_row["row"]`) is the block's row number, kept to exclude it from retrieval.
+    """
+    ids = [int(t) for t in _as_list(block_row["input_ids"])]
+    word_ids = [int(w) for w in _as_list(block_row["word_ids"])]
+    n = len(ids)
+    if n == 0:
+        return None
+    width = min(n, params.query_len - 2)
+    starts = _word_starts(word_ids)
+    source_row = int(row if row is not None else block_row.get("row", -1))
+
+    span = None  # in block coordinates
+    if params.masking in ("salient_span", "random_span"):
+        salient = [s for s in salient_token_spans(block_row, params.span_tagger) if s[1] - s[0] <= min(params.max_masks, width)]
+    if params.masking == "salient_span":
+        if not salient:
+            return None
+        span = salient[rng.integers(len(salient))]
+        w0 = _window_start(n, width, starts, rng, cover=span)
+        positions = list(range(*span))
+    else:
+        w0 = _window_start(n, width, starts, rng)
+        if params.masking == "random_span":
+            lens = [e - s for s, e in salient] or list(_FALLBACK_SPAN_LENS)
+            target = min(int(lens[rng.integers(len(lens))]), params.max_masks)
+            span = _random_word_span(w0, w0 + width, target, params.max_masks, word_ids, starts, rng)
+            if span is None:
+                return None
+            positions = list(range(*span))
+        elif params.masking == "random_token":
+            k = min(params.max_masks, max(1, round(params.random_mask_ratio * width)))
+            positions = sorted(int(p) for p in w0 + rng.choice(width, size=k, replace=False))
+        else:
+            raise ValueError(f"unknown masking {params.masking!r}")
+
+    window = ids[w0:w0 + width]
+    labels = [IGNORE_INDEX] * width
+    rel = [p - w0 for p in positions]
+    for p in rel:
+        labels[p] = window[p]
+        window[p] = mask_token_id
+    return RealmQuery(
+        input_ids=window, labels=labels, source_row=source_row, block_id=str(block_row.get("block_id", "")),
+        masked=(span[0] - w0, span[1] - w0) if span is not None else None, masked_positions=rel,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# retrieval
+# ----------------------------------------------------------------------------------------------
+def retrieve_candidates(
+    query_vecs,  # (B, d) numpy or torch
+    index_search_fn: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+    source_block_rows: Sequence[int],
+    k: int,
+) -> np.ndarray:
+    """Candidate rows (B, k) int64: slot 0 = NULL_ROW, then the top k-1 blocks other than the source.
+
+    Searches k-1+1 so that dropping the source block (REALM: "exclude trivial candidates", x is
+    a piece of that very block) still leaves k-1. Slots the index cannot fill are MISSING_ROW.
+    """
+    if isinstance(query_vecs, torch.Tensor):
+        query_vecs = query_vecs.detach().float().cpu().numpy()
+    q = np.ascontiguousarray(query_vecs, dtype=np.float32)
+    B = q.shape[0]
+    out = np.full((B, k), MISSING_ROW, dtype=np.int64)
+    out[:, 0] = NULL_ROW
+    if k == 1:
+        return out
+    _, rows = index_search_fn(q, k)  # (B, k): (k - 1) wanted + 1 spare for the source block
+    rows = np.asarray(rows, dtype=np.int64)
+    for b in range(B):
+        seen: set[int] = set()
+        keep = []
+        for r in rows[b]:
+            r = int(r)
+            if r < 0 or r == int(source_block_rows[b]) or r in seen:
+                continue  # no result / the query's own block / a duplicate (would double its mass)
+            seen.add(r)
+            keep.append(r)
+        keep = keep[: k - 1]
+        out[b, 1:1 + len(keep)] = keep
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# tensors
+# ----------------------------------------------------------------------------------------------
+def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
+    L = max((len(s) for s in seqs), default=0)
+    return torch.tensor([s + [value] * (L - len(s)) for s in seqs], dtype=torch.long).view(len(seqs), L)
+
+
+def collate_queries(queries: Sequence[RealmQuery], params, special: SpecialTokens) -> dict[str, torch.Tensor]:
+    """x_input_ids / x_attention_mask / x_labels (B, Lx): `[CLS] x [SEP]`, padded to the longest."""
+    body = [q.input_ids[: params.query_len - 2] for q in queries]
+    ids = [[special.cls, *b, special.sep] for b in body]
+    labels = [[IGNORE_INDEX, *q.labels[: params.query_len - 2], IGNORE_INDEX] for q in queries]
+    x = _pad(ids, special.pad)
+    return {"x_input_ids": x, "x_attention_mask": _pad([[1] * len(s) for s in ids], 0), "x_labels": _pad(labels, IGNORE_INDEX)}
+
+
+def _lookup_tokens(block_token_lookup, row: int) -> list[int]:
+    item = block_token_lookup(row) if callable(block_token_lookup) else block_token_lookup[row]
+    if isinstance(item, dict):
+        item = item["input_ids"]
+    return [int(t) for t in _as_list(item)]
+
+
+def passage_inputs(token_lists: Sequence[Sequence[int]], params, special: SpecialTokens) -> dict[str, torch.Tensor]:
+    """`[CLS] z [SEP]` (<= block_len) for `Retriever.encode_passage`: what the index must embed,
+    so that index scores and REALM's recomputed scores see the same input."""
+    ids = [[special.cls, *list(t)[: params.block_len - 2], special.sep] for t in token_lists]
+    return {"input_ids": _pad(ids, special.pad), "attention_mask": _pad([[1] * len(s) for s in ids], 0)}
+
+
+def collate(
+    queries: Sequence[RealmQuery],
+    candidate_rows: np.ndarray,  # (B, K) from retrieve_candidates
+    block_token_lookup: Callable[[int], Sequence[int]] | Any,  # row -> input_ids; or a list / Dataset
+    params,  # RealmParams
+    special: SpecialTokens,
+) -> dict[str, torch.Tensor]:
+    """The batch `REALM.forward` takes.
+
+    x_*: see `collate_queries`. z_input_ids (B, K, Lz): `z [SEP]` (z <= block_len - 2 tokens, so
+    `[CLS] z [SEP]` fits block_len), the null document `[SEP]`, pad after; z_attention_mask
+    (B, K, Lz); candidate_mask (B, K) bool; candidate_rows (B, K) long (for logging).
+    """
+    cand = np.asarray(candidate_rows, dtype=np.int64)
+    B, K = cand.shape
+    if B != len(queries):
+        raise ValueError(f"{len(queries)} queries but candidate_rows has {B} rows")
+    if K and not (cand[:, 0] == NULL_ROW).all():
+        raise ValueError("slot 0 of every candidate row must be the null document (NULL_ROW)")
+    z: list[list[int]] = []
+    for r in cand.reshape(-1):
+        body = [] if r < 0 else _lookup_tokens(block_token_lookup, int(r))[: params.block_len - 2]
+        z.append(body + [special.sep])
+    Lz = max(len(s) for s in z)
+    z_ids = _pad(z, special.pad).view(B, K, Lz)
+    z_mask = _pad([[1] * len(s) for s in z], 0).view(B, K, Lz)
+    return {
+        **collate_queries(queries, params, special),
+        "z_input_ids": z_ids,
+        "z_attention_mask": z_mask,
+        "candidate_mask": torch.from_numpy(cand != MISSING_ROW),
+        "candidate_rows": torch.from_numpy(cand),
+    }
+
+
+@torch.no_grad()
+def build_batch(
+    queries: Sequence[RealmQuery],
+    retriever,  # components.models.realm.Retriever
+    index_search_fn: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+    block_token_lookup,
+    params,
+    special: SpecialTokens,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Embed the queries with the current retriever (eval mode, no grad), search, collate.
+
+    Only the *selection* of the top k uses these vectors; REALM.forward rescores with gradients.
+    """
+    x = collate_queries(queries, params, special)
+    was_training = retriever.training
+    retriever.eval()
+    try:
+        q = retriever.encode_query(x["x_input_ids"].to(device), x["x_attention_mask"].to(device))
+    finally:
+        retriever.train(was_training)
+    cand = retrieve_candidates(q, index_search_fn, [qq.source_row for qq in queries], params.top_k)
+    return collate(queries, cand, block_token_lookup, params, special)

@@ -1,0 +1,196 @@
+"""Salient spans for REALM's `salient_span_mask` (Guu et al. 2020, section 3.4, "Salient span masking").
+
+REALM masks *one* named entity or date per query instead of random tokens: such spans need world
+knowledge to fill in, so the masked LM only gets better by retrieving a useful document. The paper
+found salient spans with a BERT NER tagger plus a regex date tagger. Here:
+
+* `find_salient_spans(text, tagger)` -> `[(char_start, char_end, label), ...]`, sorted, non-overlapping.
+  `tagger="regex"`: dependency-free (dates, years, numbers, capitalised names; see `_regex_spans`).
+  `tagger="spacy"`: spaCy NER (`en_core_web_sm`); raises if spaCy or the model cannot be loaded.
+  `tagger="auto"`: spaCy when it loads, else the regex tagger (logged once).
+* `char_spans_to_token_spans(char_spans, offsets)` -> `[(tok_start, tok_end), ...]` (half-open),
+  using the tokenizer's `[char_start, char_end)` offsets of each token.
+
+Try it:
+    .venv/bin/python -c "from components.data.salient_spans import find_salient_spans as f; \
+print(f('On 12 March 1875 Zorvan Teluk crossed the New Ardel River with 1,200 men.', 'regex'))"
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from typing import Literal, Sequence
+
+log = logging.getLogger(__name__)
+
+Span = tuple[int, int, str]
+Tagger = Literal["auto", "regex", "spacy"]
+
+# ----------------------------------------------------------------------------------------------
+# regex tagger
+# ----------------------------------------------------------------------------------------------
+_MONTHS = ("January|February|March|April|May|June|July|August|September|October|November|December")
+_DAY = r"\d{1,2}(?:st|nd|rd|th)?"
+_YEAR_ANY = r"\d{3,4}"
+# Longest forms first: finditer takes the first alternative that matches at a position, so
+# '12 March 1875' wins over '12 March' and 'March 1875'.
+_DATE = re.compile(
+    rf"""\b(?:
+        {_DAY}\s+(?:of\s+)?(?:{_MONTHS}),?\s+{_YEAR_ANY}       # 12 March 1875, 3rd of May, 1900
+      | (?:{_MONTHS})\s+{_DAY},?\s+{_YEAR_ANY}                 # March 12, 1875
+      | (?:{_MONTHS})\s+{_YEAR_ANY}                             # March 1875
+      | {_DAY}\s+(?:of\s+)?(?:{_MONTHS})                        # 12 March
+      | (?:{_MONTHS})\s+{_DAY}                                  # March 12
+    )\b(?![.,]\d)""",
+    re.VERBOSE,
+)
+# A bare year 1000-2099 is a date, not a number (REALM's regex tagger tagged dates only).
+_YEAR = re.compile(r"(?<![\w.,])(?:1\d{3}|20\d{2})(?![\w]|[.,]\d)")
+# 1,200 / 3.5 / 42 / 12% ; the look-arounds keep us from tagging digits inside words or codes.
+_NUMBER = re.compile(r"(?<![\w.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?%?(?![\w]|[.,]\d)")
+
+_UPPER = "A-ZÀ-ÖØ-Þ"
+_WORDCH = r"\w'’\-"
+_CAP = rf"(?!(?:{_MONTHS})\b)[{_UPPER}][{_WORDCH}]*"
+# Lower-case particles allowed *between* two capitalised words: 'Bank of England', 'Leonardo da Vinci'.
+_PARTICLE = r"(?:of|de|del|della|da|di|du|von|van|der|den|la|le)"
+_NAME = re.compile(rf"(?<![{_WORDCH}]){_CAP}(?:\s+(?:{_PARTICLE}\s+)?{_CAP})*(?![{_WORDCH}])")
+
+# Capitalised only because they open a sentence: trimmed off the front of a sentence-initial name.
+_SENTENCE_OPENERS = frozenset(
+    """a an the in on at of to for from by with as after before during since until when while
+    where it its he she they we i you his her their our my your this that these those there here
+    and but or nor so yet if then also however although though because once some many most both
+    each every no not all any under over between among upon despite following according unlike
+    like later today what which who whose how why one two""".split()
+)
+
+
+def _at_sentence_start(text: str, start: int) -> bool:
+    before = text[:start].rstrip()
+    if not before:
+        return True
+    before = before.rstrip("\"'’”)]")
+    return not before or before[-1] in ".!?\n:;" or text[:start].endswith("\n")
+
+
+def _name_spans(text: str) -> list[Span]:
+    """Capitalised word runs; a run at a sentence start counts only when it is a real multi-word name."""
+    out: list[Span] = []
+    for m in _NAME.finditer(text):
+        start, end = m.start(), m.end()
+        words = list(re.finditer(r"\S+", m.group()))
+        sentence_start = _at_sentence_start(text, start)
+        trimmed = False
+        if sentence_start:
+            # 'The New Ardel River' -> 'New Ardel River'; 'In Paris' -> 'Paris'.
+            while words and words[0].group().lower() in _SENTENCE_OPENERS:
+                words.pop(0)
+                trimmed = True
+            if not words:
+                continue
+            if len(words) == 1 and not trimmed:
+                continue  # 'Zorvan founded ...': one capitalised word opening a sentence proves nothing
+            start = m.start() + words[0].start()
+        if len(words) == 1 and words[0].group() in {"I", "I'm", "I’m"}:
+            continue
+        out.append((start, end, "ENTITY"))
+    return out
+
+
+def _overlaps(a: tuple[int, int], taken: Sequence[tuple[int, int]]) -> bool:
+    return any(a[0] < e and s < a[1] for s, e in taken)
+
+
+def _regex_spans(text: str) -> list[Span]:
+    """Dates > years > names > numbers, in that priority; lower ones never overlap higher ones."""
+    spans: list[Span] = []
+    for pattern, label in ((_DATE, "DATE"), (_YEAR, "DATE")):
+        for m in pattern.finditer(text):
+            if not _overlaps(m.span(), [(s, e) for s, e, _ in spans]):
+                spans.append((m.start(), m.end(), label))
+    for s, e, label in _name_spans(text):
+        if not _overlaps((s, e), [(a, b) for a, b, _ in spans]):
+            spans.append((s, e, label))
+    for m in _NUMBER.finditer(text):
+        if not _overlaps(m.span(), [(s, e) for s, e, _ in spans]):
+            spans.append((m.start(), m.end(), "NUMBER"))
+    return sorted(spans)
+
+
+# ----------------------------------------------------------------------------------------------
+# spaCy tagger (optional dependency: `pip install -e .[spacy]` + an English model)
+# ----------------------------------------------------------------------------------------------
+SPACY_MODEL = "en_core_web_sm"
+
+
+@functools.lru_cache(maxsize=1)
+def _load_spacy(model: str = SPACY_MODEL):
+    import spacy  # noqa: PLC0415 - optional
+
+    # Only NER is needed: the parser and lemmatizer would triple the cost per block.
+    return spacy.load(model, disable=["parser", "lemmatizer", "tagger", "attribute_ruler"])
+
+
+@functools.lru_cache(maxsize=1)
+def spacy_available(model: str = SPACY_MODEL) -> bool:
+    try:
+        _load_spacy(model)
+        return True
+    except Exception as e:  # ImportError, OSError (model not installed), version mismatch
+        log.info("salient spans: spaCy NER unavailable (%s: %s); using the regex tagger", type(e).__name__, e)
+        return False
+
+
+def _spacy_spans(text: str) -> list[Span]:
+    doc = _load_spacy()(text)
+    return sorted((e.start_char, e.end_char, e.label_) for e in doc.ents if e.end_char > e.start_char)
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+def resolve_tagger(tagger: Tagger = "auto") -> Literal["regex", "spacy"]:
+    """The tagger `find_salient_spans` will actually use for `tagger`."""
+    if tagger == "regex":
+        return "regex"
+    if tagger == "spacy":
+        _load_spacy()  # raises a clear ImportError/OSError when it cannot work
+        return "spacy"
+    if tagger == "auto":
+        return "spacy" if spacy_available() else "regex"
+    raise ValueError(f"tagger must be auto|regex|spacy, got {tagger!r}")
+
+
+def find_salient_spans(text: str, tagger: Tagger = "auto") -> list[Span]:
+    """Named entities / dates / numbers in `text` as sorted `(char_start, char_end, label)`."""
+    if not text:
+        return []
+    return _spacy_spans(text) if resolve_tagger(tagger) == "spacy" else _regex_spans(text)
+
+
+def char_spans_to_token_spans(
+    char_spans: Sequence[Sequence[int]], offsets: Sequence[Sequence[int]]
+) -> list[tuple[int, int]]:
+    """Map `[char_start, char_end)` spans to half-open token spans `[tok_start, tok_end)`.
+
+    A token belongs to a span when their character ranges overlap. (The released REALM code
+    keeps only tokens *inside* the span; for spans on word boundaries, as both taggers produce,
+    the two agree, and on a boundary inside a word overlapping masks the whole piece instead of
+    leaking half of it.) Zero-width tokens (specials, offsets (0, 0)) are ignored. Spans
+    that cover no token (e.g. text beyond the block) are dropped; duplicates are removed.
+    `char_spans` entries may carry a third element (the label); it is ignored.
+    """
+    starts = [int(o[0]) for o in offsets]
+    ends = [int(o[1]) for o in offsets]
+    out: list[tuple[int, int]] = []
+    for span in char_spans:
+        cs, ce = int(span[0]), int(span[1])
+        hit = [i for i, (s, e) in enumerate(zip(starts, ends)) if e > s and s < ce and cs < e]
+        if hit:
+            ts = (hit[0], hit[-1] + 1)
+            if ts not in out:
+                out.append(ts)
+    return out

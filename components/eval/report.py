@@ -1,0 +1,206 @@
+"""The results table (Markdown + HTML), recall@k and training-curve plots, and CSVs for `dvc plots`.
+
+    from components.eval.report import write_report
+    rows = [{"system": "bm25", "dataset": "synthetic", **retrieval_metrics(qrels, run)}, ...]
+    write_report("reports/eval", rows, curves={"retromae loss": [(1, 7.1), (2, 6.8)], ...})
+
+A row is a dict with `system`, `dataset` and any of the metric keys `metrics.py` produces
+(`ndcg_at_10`, `mrr_at_10`, `recall_at_{k}`, `em`, `f1`); missing metrics print as "-", extra
+keys (e.g. `per_query`) are ignored. Values are fractions in [0, 1]; the best value of each
+column within a dataset is bold. Every file is written atomically (temp sibling + os.replace),
+and plots are drawn on an Agg canvas without pyplot, so no global backend state is touched.
+
+    dvc plots show reports/eval/recall_at_k.csv -x k -y recall     # long format: system,k,recall
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import os
+import re
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from components.io import write_bytes_atomic, write_text_atomic
+
+_RECALL = re.compile(r"^recall_at_(\d+)$")
+
+
+def _columns(rows: Sequence[Mapping]) -> list[tuple[str, str]]:
+    """(row key, header) for every metric some row has, in table order."""
+    ks = sorted({int(m.group(1)) for r in rows for key in r if (m := _RECALL.match(key))})
+    cols = [("ndcg_at_10", "nDCG@10"), ("mrr_at_10", "MRR@10")]
+    cols += [(f"recall_at_{k}", f"R@{k}") for k in ks]
+    cols += [("em", "EM"), ("f1", "F1")]
+    return [(key, head) for key, head in cols if any(r.get(key) is not None for r in rows)]
+
+
+def _cells(rows: Sequence[Mapping], digits: int) -> tuple[list[str], list[list[tuple[str, bool]]]]:
+    """Header and body as (text, is_best) cells."""
+    cols = _columns(rows)
+    best: dict[tuple[str, str], float] = {}
+    count: dict[tuple[str, str], int] = {}
+    for r in rows:
+        for key, _ in cols:
+            if r.get(key) is not None:
+                cell = (str(r.get("dataset", "")), key)
+                best[cell] = max(best.get(cell, float("-inf")), float(r[key]))
+                count[cell] = count.get(cell, 0) + 1
+    header = ["System", "Dataset"] + [head for _, head in cols]
+    body = []
+    for r in rows:
+        ds = str(r.get("dataset", ""))
+        line = [(str(r.get("system", "?")), False), (ds, False)]
+        for key, _ in cols:
+            v = r.get(key)
+            if v is None:
+                line.append(("-", False))
+            else:
+                # bold the best, only where the column has something to compare against
+                line.append((f"{float(v):.{digits}f}", count[(ds, key)] > 1 and float(v) == best[(ds, key)]))
+        body.append(line)
+    return header, body
+
+
+def results_table(rows: Sequence[Mapping], fmt: str = "markdown", digits: int = 3) -> str:
+    """The results table as Markdown (`fmt="markdown"`) or an HTML fragment (`fmt="html"`)."""
+    if not rows:
+        raise ValueError("results_table: no rows")
+    header, body = _cells(rows, digits)
+    if fmt == "markdown":
+        def md(text: str) -> str:
+            return text.replace("|", "\\|")
+
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join(["---", "---"] + ["---:"] * (len(header) - 2)) + "|"]
+        lines += ["| " + " | ".join(f"**{md(t)}**" if b else md(t) for t, b in line) + " |" for line in body]
+        return "\n".join(lines) + "\n"
+    if fmt == "html":
+        th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        trs = "".join(
+            "<tr>" + "".join(f"<td>{'<b>' if b else ''}{html.escape(t)}{'</b>' if b else ''}</td>" for t, b in line) + "</tr>\n"
+            for line in body)
+        return f'<table class="results">\n<thead><tr>{th}</tr></thead>\n<tbody>\n{trs}</tbody>\n</table>\n'
+    raise ValueError(f"fmt must be 'markdown' or 'html', got {fmt!r}")
+
+
+def recall_by_system(rows: Sequence[Mapping]) -> dict[str, dict[int, float]]:
+    """{label: {k: recall@k}} from result rows; label is `system`, or `system / dataset` when rows span datasets."""
+    many = len({r.get("dataset") for r in rows}) > 1
+    out: dict[str, dict[int, float]] = {}
+    for r in rows:
+        ks = {int(m.group(1)): float(v) for key, v in r.items() if (m := _RECALL.match(key)) and v is not None}
+        if ks:
+            label = f"{r.get('system')} / {r.get('dataset')}" if many else str(r.get("system"))
+            out[label] = dict(sorted(ks.items()))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# plots and CSVs
+# ----------------------------------------------------------------------------------------------
+def _csv(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)  # Agg canvas on this figure only; pyplot (and its global backend) unused
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _recall_figure(recall: Mapping[str, Mapping[int, float]]):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot(1, 1, 1)
+    ks = sorted({k for v in recall.values() for k in v})
+    for label, by_k in recall.items():
+        xs = sorted(by_k)
+        ax.plot(xs, [by_k[k] for k in xs], marker="o", label=label)
+    if ks and ks[-1] / max(ks[0], 1) >= 10:
+        ax.set_xscale("log")  # k = 1..100 is unreadable on a linear axis
+        ax.minorticks_off()
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("k")
+    ax.set_ylabel("Recall@k")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Retrieval recall@k")
+    return fig
+
+
+def _curves_figure(curves: Mapping[str, Sequence[tuple[float, float]]]):
+    from matplotlib.figure import Figure
+
+    n = len(curves)
+    fig = Figure(figsize=(4 * n, 3.2))
+    for i, (name, points) in enumerate(curves.items()):
+        ax = fig.add_subplot(1, n, i + 1)
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, lw=1.2)
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    return fig
+
+
+def write_plots(
+    out_dir: str | os.PathLike,
+    recall: Mapping[str, Mapping[int, float]] | None = None,
+    curves: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+) -> dict[str, Path]:
+    """PNGs + long-format CSVs; returns {name: path} of what was written.
+
+    recall: {system: {k: recall@k}} -> recall_at_k.png, recall_at_k.csv (system,k,recall)
+    curves: {name: [(step, value), ...]} -> training_curves.png (one panel per name, side by
+            side), training_curves.csv (name,step,value)
+    """
+    out_dir = Path(out_dir)
+    written: dict[str, Path] = {}
+    if recall:
+        rows = [(label, k, v) for label, by_k in recall.items() for k, v in sorted(by_k.items())]
+        written["recall_csv"] = write_text_atomic(out_dir / "recall_at_k.csv", _csv(("system", "k", "recall"), rows))
+        written["recall_png"] = write_bytes_atomic(out_dir / "recall_at_k.png", _png(_recall_figure(recall)))
+    if curves:
+        rows = [(name, step, value) for name, points in curves.items() for step, value in points]
+        written["curves_csv"] = write_text_atomic(out_dir / "training_curves.csv", _csv(("name", "step", "value"), rows))
+        written["curves_png"] = write_bytes_atomic(out_dir / "training_curves.png", _png(_curves_figure(curves)))
+    return written
+
+
+def write_report(
+    out_dir: str | os.PathLike,
+    rows: Sequence[Mapping],
+    curves: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+    digits: int = 3,
+) -> dict[str, Path]:
+    """results.md, results.html, and the plots/CSVs of `write_plots` (recall taken from `rows`)."""
+    out_dir = Path(out_dir)
+    written = {
+        "markdown": write_text_atomic(out_dir / "results.md", results_table(rows, "markdown", digits)),
+        "html": write_text_atomic(out_dir / "results.html", _html_page(results_table(rows, "html", digits))),
+    }
+    written.update(write_plots(out_dir, recall_by_system(rows), curves))
+    return written
+
+
+def _html_page(table: str) -> str:
+    return ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>retro-realm results</title>\n"
+            "<style>table.results{border-collapse:collapse;font-family:sans-serif}"
+            "th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+            "td:nth-child(-n+2),th:nth-child(-n+2){text-align:left}</style></head>\n"
+            f"<body>\n{table}</body></html>\n")

@@ -1,0 +1,630 @@
+"""Maximum inner product search (MIPS) over block embeddings: REALM's `retriever` index and dense eval.
+
+Three pieces:
+
+* `build_index(embeddings, index_type)` -> a raw `faiss.Index`, inner product everywhere
+  (REALM scores a block by `encode_query(x) . encode_passage(z)`, never by a distance).
+* `BlockIndex`: the faiss index plus the row -> block id mapping; `search(q, k)` returns
+  `(scores (B, k) float32, rows (B, k) int64)` and `ids_for(rows)` maps rows to block ids.
+  Treated as immutable once built, so any number of threads may search it while a new one is built.
+* `IndexStore(root)`: versions on disk (`root/v0001/`, `root/v0002/`, ...) behind a `CURRENT`
+  pointer, plus the in-memory current index that the training loop swaps at a step boundary.
+
+On-disk layout of one version (never pickled; every file hashed in meta.json, checked on load):
+
+    vNNNN/index.faiss   faiss.write_index format (a GPU index is copied to the CPU first)
+    vNNNN/ids.npy       block ids: fixed-width unicode (`<U..`) or int64, `allow_pickle=False`
+    vNNNN/meta.json     version, step, n, dim, type, build_seconds, sha256 of the two files, extra
+
+Try it:
+    .venv/bin/python -c "import numpy as np; from components.index.faiss_index import BlockIndex; \
+x = np.random.rand(1000, 32).astype('float32'); bi = BlockIndex.build(x, index_type='hnsw'); \
+print(bi.search(x[:2], 3))"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Literal, Sequence
+
+import faiss
+import numpy as np
+
+try:  # POSIX only; used to keep two *processes* from publishing the same version number.
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+IndexType = Literal["flat", "ivf", "hnsw", "auto"]
+UseGpu = bool | Literal["auto"]
+
+INDEX_FILE = "index.faiss"
+IDS_FILE = "ids.npy"
+META_FILE = "meta.json"
+CURRENT_FILE = "CURRENT"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+_VERSION_DIR = re.compile(r"^v(\d{4,})$")
+
+# Defaults chosen from bench/bench_index.py (see bench/results/index.json).
+DEFAULT_AUTO_FLAT_MAX = 100_000
+DEFAULT_HNSW_M = 32
+DEFAULT_HNSW_EF_CONSTRUCTION = 100
+DEFAULT_HNSW_EF_SEARCH = 128
+
+
+class IndexIntegrityError(ValueError):
+    """A stored index version is incomplete, or a file's sha256 differs from its meta.json."""
+
+
+# ----------------------------------------------------------------------------------------------
+# building
+# ----------------------------------------------------------------------------------------------
+def resolve_index_type(n: int, index_type: IndexType, auto_flat_max: int = DEFAULT_AUTO_FLAT_MAX) -> str:
+    """`auto` -> exact `flat` up to `auto_flat_max` blocks, `hnsw` above (no training pass, and
+    a refresh rebuilds the index anyway, so IVF's k-means would be paid on every refresh)."""
+    if index_type == "auto":
+        return "flat" if n <= auto_flat_max else "hnsw"
+    if index_type not in ("flat", "ivf", "hnsw"):
+        raise ValueError(f"index_type must be flat|ivf|hnsw|auto, got {index_type!r}")
+    return index_type
+
+
+def ivf_nlist(n: int) -> int:
+    """~4 sqrt(N) inverted lists, but at least 39 training points per centroid (faiss' minimum)."""
+    return int(max(1, min(round(4 * math.sqrt(n)), n // 39)))
+
+
+def ivf_nprobe(nlist: int) -> int:
+    """Lists visited per query: ~1/8 of them (at least 8). On random 128-d data this gives
+    recall@10 ~0.9+ (bench/bench_index.py); real embeddings are clustered and do better."""
+    return int(min(nlist, max(8, round(nlist / 8))))
+
+
+def gpu_count() -> int:
+    """GPUs faiss can use: 0 with faiss-cpu (no GPU symbols) or when none is visible."""
+    if not hasattr(faiss, "GpuMultipleClonerOptions"):
+        return 0
+    try:
+        return int(faiss.get_num_gpus())
+    except Exception:  # a broken CUDA runtime must not take CPU search down with it
+        return 0
+
+
+def _want_gpu(use_gpu: UseGpu) -> bool:
+    n = gpu_count()
+    if use_gpu is True and n == 0:
+        raise RuntimeError("use_gpu=True, but faiss has no GPU support or no GPU is visible")
+    return bool(use_gpu) and n > 0
+
+
+def to_gpu(index: faiss.Index) -> faiss.Index:
+    """Shard a CPU index over all visible GPUs (each holds N/ngpu rows; results are merged)."""
+    co = faiss.GpuMultipleClonerOptions()
+    co.shard = True  # sharded, not replicated: the corpus is split so it fits in GPU memory
+    return faiss.index_cpu_to_all_gpus(index, co=co)
+
+
+def to_cpu(index: faiss.Index) -> faiss.Index:
+    """The CPU copy of a (possibly GPU) index; a CPU index is returned as is."""
+    return faiss.index_gpu_to_cpu(index) if _is_gpu_index(index) else index
+
+
+def _is_gpu_index(index: faiss.Index) -> bool:
+    return "Gpu" in type(index).__name__ or "IndexShards" in type(index).__name__
+
+
+def _as_matrix(x: np.ndarray, name: str) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (N, d), got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name} holds NaN/inf values; refusing to index them")
+    return x
+
+
+def build_index(
+    embeddings: np.ndarray,
+    index_type: IndexType = "flat",
+    *,
+    auto_flat_max: int = DEFAULT_AUTO_FLAT_MAX,
+    use_gpu: UseGpu = "auto",
+    nlist: int | None = None,
+    nprobe: int | None = None,
+    hnsw_m: int = DEFAULT_HNSW_M,
+    ef_construction: int = DEFAULT_HNSW_EF_CONSTRUCTION,
+    ef_search: int = DEFAULT_HNSW_EF_SEARCH,
+    seed: int = 1234,
+) -> faiss.Index:
+    """A filled inner-product faiss index over `embeddings` (N, d) float32.
+
+    flat: `IndexFlatIP` (exact; sharded over all GPUs when `use_gpu` and GPUs are visible).
+    ivf:  `IndexIVFFlat(METRIC_INNER_PRODUCT)`, k-means trained on the data, nlist ~ 4 sqrt(N).
+    hnsw: `IndexHNSWFlat(METRIC_INNER_PRODUCT)`, M=hnsw_m.
+    IVF and HNSW stay on the CPU (faiss has no GPU HNSW; GPU IVF is not worth it at REALM sizes).
+    """
+    x = _as_matrix(embeddings, "embeddings")  # (N, d)
+    n, d = x.shape
+    if n == 0:
+        raise ValueError("cannot build an index over 0 embeddings")
+    kind = resolve_index_type(n, index_type, auto_flat_max)
+
+    if kind == "flat":
+        index = faiss.IndexFlatIP(d)
+        if _want_gpu(use_gpu):
+            index = to_gpu(index)
+        index.add(x)
+        return index
+
+    if kind == "ivf":
+        nlist = nlist or ivf_nlist(n)
+        quantizer = faiss.IndexFlatIP(d)
+        index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.cp.seed = seed
+        index.train(x)
+        index.add(x)
+        index.nprobe = nprobe or ivf_nprobe(nlist)
+        return index  # faiss' Python wrapper keeps `quantizer` alive via the index's references
+
+    # hnsw
+    index = faiss.IndexHNSWFlat(d, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = ef_construction
+    index.hnsw.efSearch = ef_search
+    index.add(x)
+    return index
+
+
+def _index_kind(index: faiss.Index) -> str:
+    cpu = faiss.downcast_index(index) if not _is_gpu_index(index) else index
+    if isinstance(cpu, faiss.IndexHNSW):
+        return "hnsw"
+    if isinstance(cpu, faiss.IndexIVF):
+        return "ivf"
+    return "flat"
+
+
+def _search_params(index: faiss.Index) -> dict[str, int]:
+    """The query-time knobs, stored in meta.json and re-applied on load."""
+    if _is_gpu_index(index):
+        return {}
+    cpu = faiss.downcast_index(index)
+    if isinstance(cpu, faiss.IndexIVF):
+        return {"nlist": int(cpu.nlist), "nprobe": int(cpu.nprobe)}
+    if isinstance(cpu, faiss.IndexHNSW):
+        return {"efSearch": int(cpu.hnsw.efSearch), "efConstruction": int(cpu.hnsw.efConstruction)}
+    return {}
+
+
+def _apply_search_params(index: faiss.Index, params: dict[str, int]) -> None:
+    cpu = faiss.downcast_index(index)
+    if isinstance(cpu, faiss.IndexIVF) and "nprobe" in params:
+        cpu.nprobe = int(params["nprobe"])
+    if isinstance(cpu, faiss.IndexHNSW) and "efSearch" in params:
+        cpu.hnsw.efSearch = int(params["efSearch"])
+
+
+# ----------------------------------------------------------------------------------------------
+# block index: faiss index + row -> block id
+# ----------------------------------------------------------------------------------------------
+def _as_ids(ids: Sequence[str] | Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
+    """Block ids as a pickle-free array: fixed-width unicode for strings, int64 for ints."""
+    if ids is None:
+        return np.arange(n, dtype=np.int64)
+    arr = np.asarray(ids)
+    if arr.dtype == object:  # e.g. a list mixing str subclasses; np.save would need pickle
+        arr = np.asarray([str(i) for i in ids])
+    if arr.dtype.kind in "iu":
+        arr = arr.astype(np.int64)
+    elif arr.dtype.kind != "U":
+        raise TypeError(f"block ids must be str or int, got dtype {arr.dtype}")
+    if arr.shape != (n,):
+        raise ValueError(f"need one id per embedding row: {n} rows, ids shape {arr.shape}")
+    return arr
+
+
+class BlockIndex:
+    """A faiss inner-product index over N blocks plus their ids (row i <-> ids[i]).
+
+    Immutable after construction (`with_meta` returns a shallow copy), so a reader holding a
+    reference keeps a complete index even while the store swaps in the next version.
+    """
+
+    def __init__(self, index: faiss.Index, ids: Sequence | np.ndarray | None = None, meta: dict | None = None):
+        self.index = index
+        self.ids = _as_ids(ids, index.ntotal)
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.meta.setdefault("type", _index_kind(index))
+        self.meta.setdefault("n", int(index.ntotal))
+        self.meta.setdefault("dim", int(index.d))
+        # faiss CPU indexes allow concurrent searches; GPU ones do not (their StandardGpuResources
+        # is not thread-safe), so GPU searches are serialized.
+        self._gpu_lock = threading.Lock() if _is_gpu_index(index) else None
+
+    @classmethod
+    def build(
+        cls,
+        embeddings: np.ndarray,
+        ids: Sequence | np.ndarray | None = None,
+        index_type: IndexType = "flat",
+        *,
+        step: int | None = None,
+        **build_kwargs: Any,
+    ) -> "BlockIndex":
+        """`build_index` + ids + build time in meta. `build_kwargs` go to `build_index`."""
+        t0 = time.perf_counter()
+        index = build_index(embeddings, index_type, **build_kwargs)
+        meta = {"build_seconds": round(time.perf_counter() - t0, 6), "step": step}
+        return cls(index, ids, meta)
+
+    # -- properties ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.index.ntotal)
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    @property
+    def index_type(self) -> str:
+        return str(self.meta["type"])
+
+    @property
+    def version(self) -> int | None:
+        return self.meta.get("version")
+
+    @property
+    def step(self) -> int | None:
+        return self.meta.get("step")
+
+    def with_meta(self, **updates: Any) -> "BlockIndex":
+        """A copy sharing the faiss index and ids, with `meta` updated."""
+        other = copy.copy(self)
+        other.meta = {**self.meta, **updates}
+        return other
+
+    def __repr__(self) -> str:
+        return f"BlockIndex(type={self.index_type}, n={len(self)}, dim={self.dim}, version={self.version})"
+
+    # -- search --------------------------------------------------------------------------------
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k blocks by inner product for each query.
+
+        q: (B, d) float32. Returns scores (B, k) float32, best first, and rows (B, k) int64.
+        A slot with no result (k > N, or an approximate index that found fewer) has row -1 and
+        score -inf; callers that need exactly k must check `rows >= 0`.
+        """
+        q = _as_matrix(q, "queries")  # (B, d)
+        if q.shape[1] != self.dim:
+            raise ValueError(f"query dim {q.shape[1]} != index dim {self.dim}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        lock = self._gpu_lock or contextlib.nullcontext()
+        with lock:
+            scores, rows = self.index.search(q, k)  # (B, k), (B, k)
+        rows = rows.astype(np.int64, copy=False)
+        scores = scores.astype(np.float32, copy=False)
+        scores[rows < 0] = -np.inf  # faiss pads with -FLT_MAX; -inf says "no block" unambiguously
+        return scores, rows
+
+    def ids_for(self, rows: np.ndarray) -> np.ndarray:
+        """Block ids for `rows` (any shape). Row -1 maps to "" (str ids) or -1 (int ids)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = self.ids[np.clip(rows, 0, None)]
+        out[rows < 0] = "" if self.ids.dtype.kind == "U" else -1
+        return out
+
+    def embeddings(self) -> np.ndarray | None:
+        """The stored vectors (N, d) for flat/hnsw/ivf-flat indexes, else None (debug/tests)."""
+        try:
+            return to_cpu(self.index).reconstruct_n(0, len(self))
+        except RuntimeError:
+            return None
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, folder: str | os.PathLike, *, extra_meta: dict | None = None) -> dict:
+        """Write this index to `folder` atomically (temp sibling + os.replace). Returns meta."""
+        folder = Path(folder)
+        if folder.exists() and any(folder.iterdir()):
+            raise FileExistsError(f"{folder} exists and is not empty")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = folder.parent / f"{TMP_PREFIX}{folder.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            meta = _write_version_dir(self, tmp, extra_meta or {})
+            _replace_dir(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return meta
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, *, use_gpu: UseGpu = "auto", verify: bool = True) -> "BlockIndex":
+        """Read a version folder; with `verify`, every file's sha256 must match meta.json."""
+        folder = Path(folder)
+        meta_path = folder / META_FILE
+        if not meta_path.is_file():
+            raise IndexIntegrityError(f"{folder}: no {META_FILE} (incomplete or not an index folder)")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        blobs = {}
+        for name in (INDEX_FILE, IDS_FILE):
+            path = folder / name
+            if not path.is_file():
+                raise IndexIntegrityError(f"{folder}: missing {name}")
+            # Hash exactly the bytes we deserialize (no window between check and read).
+            blobs[name] = path.read_bytes()
+            if verify:
+                want = meta.get("files", {}).get(name, {}).get("sha256")
+                got = hashlib.sha256(blobs[name]).hexdigest()
+                if want != got:
+                    raise IndexIntegrityError(f"{path}: sha256 {got} != {want} recorded in {META_FILE}")
+        index = faiss.deserialize_index(np.frombuffer(blobs.pop(INDEX_FILE), dtype=np.uint8))
+        _apply_search_params(index, meta.get("search_params", {}))
+        ids = np.load(io.BytesIO(blobs.pop(IDS_FILE)), allow_pickle=False)
+        if index.ntotal != meta.get("n") or index.d != meta.get("dim") or len(ids) != index.ntotal:
+            raise IndexIntegrityError(
+                f"{folder}: meta says n={meta.get('n')} dim={meta.get('dim')}, files hold "
+                f"n={index.ntotal} dim={index.d} ids={len(ids)}"
+            )
+        if meta.get("type") == "flat" and _want_gpu(use_gpu):
+            index = to_gpu(index)
+        return cls(index, ids, meta)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes | memoryview) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_version_dir(bi: BlockIndex, folder: Path, extra_meta: dict) -> dict:
+    """Write index.faiss, ids.npy, then meta.json (last: it carries the hashes) into `folder`."""
+    folder.mkdir(parents=True)
+    cpu = to_cpu(bi.index)
+    index_bytes = faiss.serialize_index(cpu)  # uint8 array, the faiss.write_index format
+    ids_buf = io.BytesIO()
+    np.save(ids_buf, bi.ids, allow_pickle=False)
+    files = {
+        INDEX_FILE: {"sha256": _write_bytes(folder / INDEX_FILE, memoryview(index_bytes)), "bytes": int(index_bytes.size)},
+        IDS_FILE: {"sha256": _write_bytes(folder / IDS_FILE, ids_buf.getbuffer()), "bytes": ids_buf.getbuffer().nbytes},
+    }
+    meta = {
+        **{k: v for k, v in bi.meta.items() if k not in ("files",)},
+        "format": FORMAT_VERSION,
+        "n": len(bi),
+        "dim": bi.dim,
+        "type": _index_kind(cpu),
+        "search_params": _search_params(cpu),
+        "ids_dtype": str(bi.ids.dtype),
+        "faiss_version": faiss.__version__,
+        "created_unix": round(time.time(), 3),
+        "extra": {**bi.meta.get("extra", {}), **extra_meta},
+        "files": files,
+    }
+    _write_bytes(folder / META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
+    _fsync_dir(folder)
+    return meta
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """os.replace for a directory: atomic on POSIX when `dst` is absent or an empty directory."""
+    try:
+        os.replace(src, dst)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(f"{dst} already exists and is not empty") from None
+        raise
+    _fsync_dir(dst.parent)
+
+
+# ----------------------------------------------------------------------------------------------
+# versioned store
+# ----------------------------------------------------------------------------------------------
+class IndexStore:
+    """Index versions under `root` plus the in-memory current index.
+
+        root/v0001/ root/v0002/ ...   complete versions (a version directory appears atomically)
+        root/CURRENT                  "v0002": the published current version (atomic swap)
+        root/.tmp-v0003               a version being written (removed by `cleanup_partial`)
+
+    `publish` persists a new version and makes it current; `swap` only changes the in-memory
+    current index (the training loop's step-boundary swap). `current()` / `search()` are
+    thread-safe: a reader always gets one complete `BlockIndex`, never a half-built one.
+    One process writes a store; a file lock keeps a second writer from reusing a version number.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, use_gpu: UseGpu = "auto", verify: bool = True):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.use_gpu = use_gpu
+        self.verify = verify
+        self._lock = threading.RLock()  # guards _current (and lazy loading)
+        self._write_lock = threading.Lock()  # one publish/cleanup at a time in this process
+        self._current: BlockIndex | None = None
+
+    # -- listing -------------------------------------------------------------------------------
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version:04d}"
+
+    def versions(self) -> list[int]:
+        """Complete versions, ascending. `.tmp-*` directories are never listed, so never loaded."""
+        out = []
+        for p in self.root.iterdir():
+            m = _VERSION_DIR.match(p.name)
+            if m and p.is_dir() and (p / META_FILE).is_file():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def first_version(self) -> int | None:
+        v = self.versions()
+        return v[0] if v else None
+
+    def latest_version(self) -> int | None:
+        v = self.versions()
+        return v[-1] if v else None
+
+    def current_version(self) -> int | None:
+        """The version named by `CURRENT` on disk (None when nothing was published)."""
+        try:
+            name = (self.root / CURRENT_FILE).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            return None
+        m = _VERSION_DIR.match(name)
+        if not m:
+            raise IndexIntegrityError(f"{self.root / CURRENT_FILE}: bad pointer {name!r}")
+        return int(m.group(1))
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, version: int) -> BlockIndex:
+        path = self.path(version)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path}: no such index version (have {self.versions()})")
+        return BlockIndex.load(path, use_gpu=self.use_gpu, verify=self.verify)
+
+    def first(self) -> BlockIndex | None:
+        v = self.first_version()
+        return None if v is None else self.load(v)
+
+    def latest(self) -> BlockIndex | None:
+        v = self.latest_version()
+        return None if v is None else self.load(v)
+
+    def current(self) -> BlockIndex:
+        """The in-memory current index; loaded from `CURRENT` (else the latest version) on first use."""
+        with self._lock:
+            if self._current is None:
+                v = self.current_version()
+                v = self.latest_version() if v is None else v
+                if v is None:
+                    raise LookupError(f"{self.root}: no index published yet")
+                self._current = self.load(v)
+            return self._current
+
+    def reload(self) -> bool:
+        """Follow a `CURRENT` written by another process. True when the in-memory index changed."""
+        v = self.current_version()
+        with self._lock:
+            if v is None or (self._current is not None and self._current.version == v):
+                return False
+        new = self.load(v)  # load outside the lock: readers keep searching the old one meanwhile
+        self.swap(new)
+        return True
+
+    def swap(self, new: BlockIndex) -> BlockIndex | None:
+        """Make `new` the in-memory current index; returns the previous one. Not persisted."""
+        if not isinstance(new, BlockIndex):
+            raise TypeError(f"swap needs a BlockIndex, got {type(new).__name__}")
+        with self._lock:
+            old, self._current = self._current, new
+        return old
+
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`current().search(q, k)`: takes a reference under the lock, searches outside it."""
+        return self.current().search(q, k)
+
+    # -- writing -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _writer(self) -> Iterator[None]:
+        with self._write_lock:
+            if fcntl is None:
+                yield
+                return
+            with open(self.root / ".lock", "a+") as lf:
+                fcntl.flock(lf, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(lf, fcntl.LOCK_UN)
+
+    def publish(
+        self, index: BlockIndex, step: int | None = None, extra_meta: dict | None = None, *, make_current: bool = True
+    ) -> int:
+        """Persist `index` as the next version; with `make_current`, point `CURRENT` at it and
+        swap it in memory. Returns the new version number.
+
+        Crash safety: files go to `root/.tmp-vNNNN`, which is renamed to `root/vNNNN` only when
+        complete; `CURRENT` is replaced atomically after that. A crash leaves either the old
+        `CURRENT` (plus a `.tmp-*` that `cleanup_partial` removes) or the new one.
+        """
+        with self._writer():
+            version = (self.latest_version() or 0) + 1
+            tmp = self.root / f"{TMP_PREFIX}v{version:04d}"
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a killed publish
+            stamped = index.with_meta(version=version, step=step if step is not None else index.step)
+            try:
+                meta = _write_version_dir(stamped, tmp, extra_meta or {})
+                _replace_dir(tmp, self.path(version))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            stamped = stamped.with_meta(**{k: meta[k] for k in ("files", "extra", "created_unix", "search_params")})
+            if make_current:
+                self._write_pointer(version)
+                self.swap(stamped)
+        return version
+
+    def set_current(self, version: int) -> BlockIndex:
+        """Point `CURRENT` at an existing version (e.g. roll back) and swap it in."""
+        bi = self.load(version)
+        with self._writer():
+            self._write_pointer(version)
+        self.swap(bi)
+        return bi
+
+    def _write_pointer(self, version: int) -> None:
+        tmp = self.root / f"{TMP_PREFIX}{CURRENT_FILE}-{uuid.uuid4().hex[:8]}"
+        _write_bytes(tmp, f"v{version:04d}\n".encode())
+        os.replace(tmp, self.root / CURRENT_FILE)
+        _fsync_dir(self.root)
+
+    def cleanup_partial(self) -> list[Path]:
+        """Remove `.tmp-*` leftovers (a refresh killed mid-write). Returns what was removed."""
+        removed = []
+        with self._writer():
+            for p in self.root.iterdir():
+                if p.name.startswith(TMP_PREFIX):
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
+                    removed.append(p)
+        return removed
+
+    def prune(self, keep_last: int = 2, keep_first: bool = True) -> list[int]:
+        """Delete old versions, keeping the newest `keep_last`, the first (the staleness baseline)
+        and whatever `CURRENT` names. In-memory indexes are unaffected. Returns deleted versions."""
+        with self._writer():
+            versions = self.versions()
+            keep = set(versions[-keep_last:]) if keep_last > 0 else set()
+            if keep_first and versions:
+                keep.add(versions[0])
+            cur = self.current_version()
+            if cur is not None:
+                keep.add(cur)
+            gone = [v for v in versions if v not in keep]
+            for v in gone:
+                # rename first so a half-deleted directory never looks like a version
+                trash = self.root / f"{TMP_PREFIX}del-v{v:04d}"
+                os.replace(self.path(v), trash)
+                shutil.rmtree(trash, ignore_errors=True)
+        return gone

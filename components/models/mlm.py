@@ -1,0 +1,50 @@
+"""Plain whole-word MLM on the same encoder: the baseline RetroMAE has to beat at equal compute.
+
+    from components.data.masking import SpecialIds, MLMCollator
+    ids = SpecialIds.from_tokenizer(tok)
+    model = MLMModel.from_params(params.retromae.encoder, ids)
+    out = model(MLMCollator(ids, params.mlm.mask_ratio, params.retromae.max_len)(rows))
+    out["loss"].backward()
+
+Same forward contract as `RetroMAE` (a dict of scalar tensors: loss, loss_enc, acc_enc, num_tokens),
+same batch keys (encoder_input_ids, attention_mask, encoder_labels), same head code path (the MLM
+head runs on the masked positions only), so the two stages differ only by the decoder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from components.data.masking import SpecialIds
+from components.models.retromae import _predicted_positions, build_encoder, cls_embedding, mlm_head, token_cross_entropy
+
+
+class MLMModel(nn.Module):
+    """A BertForMaskedLM trained with whole-word MLM; `forward(batch)` -> dict of scalars."""
+
+    def __init__(self, encoder: PreTrainedModel):
+        super().__init__()
+        mlm_head(encoder)  # fail early on an unsupported encoder family
+        self.encoder = encoder
+
+    @classmethod
+    def from_params(cls, enc: Any, ids: SpecialIds) -> "MLMModel":
+        """enc: an EncoderParams (the MLM stage shares RetroMAE's encoder section)."""
+        return cls(build_encoder(enc, ids.vocab_size, ids.pad, cls_token_id=ids.cls, sep_token_id=ids.sep, mask_token_id=ids.mask))
+
+    def encode_passage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return cls_embedding(self.encoder, input_ids, attention_mask)  # (B, H)
+
+    encode_query = encode_passage
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids, attn, labels = batch["encoder_input_ids"], batch["attention_mask"], batch["encoder_labels"]  # (B, L)
+        pos = _predicted_positions(labels)  # (N,) masked positions
+        hidden = self.encoder.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, L, H)
+        logits = mlm_head(self.encoder)(hidden.reshape(-1, hidden.size(-1))[pos])  # (N, V)
+        loss, acc = token_cross_entropy(logits, labels.reshape(-1)[pos])
+        return {"loss": loss, "loss_enc": loss.detach(), "acc_enc": acc, "num_tokens": attn.sum()}

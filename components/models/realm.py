@@ -1,0 +1,446 @@
+"""REALM pre-training (Guu et al. 2020, "REALM: Retrieval-Augmented Language Model Pre-Training").
+
+    p(y | x) = sum_z p(y | x, z) p(z | x)              (eq. 1: marginalise over retrieved documents)
+    p(z | x) = softmax_z( Embed_input(x) . Embed_doc(z) )                 (the `retriever`, eq. 2)
+    p(y | x, z) = prod_j p(y_j | x, z)                    (the `knowledge_augmented_encoder`, eq. 3)
+
+Pieces (paper names):
+
+* `Retriever`: BERT [CLS] vector -> linear projection to `retriever_dim` (Embed = W_proj BERT_CLS),
+  for both `encode_query` (Embed_input) and `encode_passage` (Embed_doc). Towers shared by default
+  (`share_towers`, the released code's `share_embedders`); untied = two independent copies.
+* `KnowledgeAugmentedEncoder`: BertForMaskedLM over `[CLS] x [SEP] z [SEP]` (token types 0 | 1).
+  The `null_document` is an empty z: `[CLS] x [SEP] [SEP]`.
+* `REALM`: scores the K candidates with the *current* retriever (gradients reach both towers,
+  paper section 3.4: the stale MIPS index only *selects* the top k), runs the reader once on all
+  B*K pairs, and marginalises.
+
+Top-k retrieval from the FAISS index happens outside the model (components/data/realm_batch.py),
+so the index can be rebuilt asynchronously while training (`refresh_index`); the batch carries the
+candidates' token ids with the null document in slot 0.
+
+Marginalisation (`RealmParams.marginalization`):
+* `per_token` (default; what the released code computes, language/realm/model.py):
+      log p(y_j | x) = logsumexp_z [ log p(y_j | x, z) + log p(z | x) ]  per masked token j,
+      loss = - mean over all masked tokens of the batch.
+  Each token may be explained by a different document.
+* `per_sequence` (the paper's eq. 1 + 3 read literally):
+      log p(y | x) = logsumexp_z [ sum_j log p(y_j | x, z) + log p(z | x) ]  per example,
+      loss = - sum over examples / number of masked tokens in the batch (same scale as per_token).
+  With one salient span per query both are close; they differ most for long spans.
+
+Try it (random tiny weights):
+    .venv/bin/python -c "from components.models.realm import demo; print(demo())"
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, BertConfig, BertForMaskedLM, BertModel
+
+from components.io import atomic_dir, write_json_atomic
+
+IGNORE_INDEX = -100  # label of every position that is not a masked token
+Marginalization = Literal["per_token", "per_sequence"]
+
+RETRIEVER_CONFIG = "retriever_config.json"
+REALM_CONFIG = "realm_config.json"
+
+
+# ----------------------------------------------------------------------------------------------
+# retriever
+# ----------------------------------------------------------------------------------------------
+def _load_encoder(path: str | os.PathLike) -> nn.Module:
+    """An HF encoder folder (e.g. RetroMAE's output) as a bare encoder without the pooler.
+
+    The pooler is never used (REALM embeds the raw [CLS] state); leaving it in would give DDP
+    unused parameters and the optimiser dead weights.
+    """
+    try:
+        return AutoModel.from_pretrained(str(path), add_pooling_layer=False)
+    except TypeError:  # an architecture without that switch
+        enc = AutoModel.from_pretrained(str(path))
+        if getattr(enc, "pooler", None) is not None:
+            enc.pooler = None
+        return enc
+
+
+def _new_projection(hidden: int, dim: int) -> nn.Linear:
+    # Semi-orthogonal init: with dim == hidden it is a rotation, so a RetroMAE [CLS] space keeps its
+    # inner products at step 0 (a cold, random projection would throw away the warm start).
+    proj = nn.Linear(hidden, dim)
+    nn.init.orthogonal_(proj.weight)
+    nn.init.zeros_(proj.bias)
+    return proj
+
+
+class Retriever(nn.Module):
+    """Embed_input / Embed_doc: [CLS] of a BERT encoder, projected to `retriever_dim`; score = inner product.
+
+    `encode_query(input_ids, attention_mask) -> (B, d)`, `encode_passage(...) -> (N, d)`,
+    inputs `[CLS] tokens [SEP] pad...`. With `share_towers` one encoder + projection serves both;
+    `passage_encoder`/`passage_projection` then are aliases, not registered twice (so the state
+    dict and safetensors files hold each tensor once).
+    """
+
+    def __init__(
+        self,
+        query_encoder: nn.Module,
+        query_projection: nn.Linear,
+        passage_encoder: nn.Module | None = None,
+        passage_projection: nn.Linear | None = None,
+    ):
+        super().__init__()
+        if (passage_encoder is None) != (passage_projection is None):
+            raise ValueError("give both passage_encoder and passage_projection (untied) or neither (shared)")
+        self.query_encoder = query_encoder
+        self.query_projection = query_projection
+        self.share_towers = passage_encoder is None
+        if not self.share_towers:
+            self._passage_encoder = passage_encoder
+            self._passage_projection = passage_projection
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def _from_encoder_module(cls, encoder: nn.Module, retriever_dim: int, share_towers: bool) -> "Retriever":
+        proj = _new_projection(encoder.config.hidden_size, retriever_dim)
+        if share_towers:
+            return cls(encoder, proj)
+        # Untied: the document tower starts as an exact copy and then drifts (REALM: share_embedders=False).
+        return cls(encoder, proj, copy.deepcopy(encoder), copy.deepcopy(proj))
+
+    @classmethod
+    def from_config(cls, config: BertConfig, retriever_dim: int = 128, share_towers: bool = True) -> "Retriever":
+        """Random BERT towers (`retriever_init: random`)."""
+        return cls._from_encoder_module(BertModel(config, add_pooling_layer=False), retriever_dim, share_towers)
+
+    @classmethod
+    def from_encoder(cls, path: str | os.PathLike, retriever_dim: int = 128, share_towers: bool = True) -> "Retriever":
+        """Towers from an HF encoder folder (`retriever_init: retromae` / `ict`); fresh projection."""
+        return cls._from_encoder_module(_load_encoder(path), retriever_dim, share_towers)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "Retriever":
+        """Load what `save_pretrained` wrote."""
+        path = Path(path)
+        cfg = json.loads((path / RETRIEVER_CONFIG).read_text())
+
+        def tower(name: str) -> tuple[nn.Module, nn.Linear]:
+            enc = _load_encoder(path / f"{name}_encoder")
+            proj = nn.Linear(enc.config.hidden_size, cfg["retriever_dim"])
+            proj.load_state_dict(load_file(str(path / f"{name}_projection.safetensors")))
+            return enc, proj
+
+        q_enc, q_proj = tower("query")
+        if cfg["share_towers"]:
+            return cls(q_enc, q_proj)
+        return cls(q_enc, q_proj, *tower("passage"))
+
+    def save_pretrained(self, path: str | os.PathLike) -> Path:
+        """Write `path/` atomically: query_encoder/ (HF folder, safetensors) + query_projection.safetensors,
+        and passage_encoder/ + passage_projection.safetensors when the towers are untied."""
+        with atomic_dir(path) as tmp:
+            self._write(tmp)
+        return Path(path)
+
+    def _write(self, folder: Path) -> None:
+        towers = [("query", self.query_encoder, self.query_projection)]
+        if not self.share_towers:
+            towers.append(("passage", self._passage_encoder, self._passage_projection))
+        for name, enc, proj in towers:
+            enc.save_pretrained(folder / f"{name}_encoder")
+            save_file({k: v.detach().contiguous().cpu() for k, v in proj.state_dict().items()},
+                      str(folder / f"{name}_projection.safetensors"))
+        write_json_atomic(folder / RETRIEVER_CONFIG, {"retriever_dim": self.retriever_dim, "share_towers": self.share_towers})
+
+    # -- towers ------------------------------------------------------------------------------------
+    @property
+    def retriever_dim(self) -> int:
+        return self.query_projection.out_features
+
+    @property
+    def passage_encoder(self) -> nn.Module:
+        return self.query_encoder if self.share_towers else self._passage_encoder
+
+    @property
+    def passage_projection(self) -> nn.Linear:
+        return self.query_projection if self.share_towers else self._passage_projection
+
+    @staticmethod
+    def _embed(encoder: nn.Module, proj: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask,
+                         token_type_ids=torch.zeros_like(input_ids)).last_hidden_state  # (N, L, H)
+        return proj(hidden[:, 0])  # (N, d): projected [CLS]
+
+    def encode_query(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Embed_input(x): (B, L) -> (B, d)."""
+        return self._embed(self.query_encoder, self.query_projection, input_ids, attention_mask)
+
+    def encode_passage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Embed_doc(z): (N, L) -> (N, d)."""
+        return self._embed(self.passage_encoder, self.passage_projection, input_ids, attention_mask)
+
+    def forward(self, query_ids, query_mask, passage_ids, passage_mask) -> torch.Tensor:
+        """Relevance scores (B, N) of every query against every passage (inner products)."""
+        return self.encode_query(query_ids, query_mask) @ self.encode_passage(passage_ids, passage_mask).T
+
+
+# ----------------------------------------------------------------------------------------------
+# knowledge-augmented encoder (the reader of REALM pre-training)
+# ----------------------------------------------------------------------------------------------
+def knowledge_augmented_inputs(
+    x_ids: torch.Tensor, x_mask: torch.Tensor, z_ids: torch.Tensor, z_mask: torch.Tensor, pad_token_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Join every query with each of its K documents: `[CLS] x [SEP] z [SEP]`, packed to the left.
+
+    x_ids (B, Lx) is `[CLS] x [SEP] pad...`; z_ids (B, K, Lz) is `z [SEP] pad...` (the
+    null document: `[SEP] pad...`). Both right-padded. z is written directly after x's own last
+    token, not after x's padding, so positions match those of the unpadded pair (BERT's absolute
+    position embeddings would otherwise see a different sequence per batch).
+    Returns input_ids, attention_mask, token_type_ids, each (B, K, L) with L = longest pair.
+    """
+    B, Lx = x_ids.shape
+    K, Lz = z_ids.shape[1:]
+    x_len = x_mask.sum(1)  # (B,)
+    ids = torch.full((B, K, Lx + Lz), pad_token_id, dtype=x_ids.dtype, device=x_ids.device)
+    mask = torch.zeros((B, K, Lx + Lz), dtype=x_mask.dtype, device=x_mask.device)
+    ids[:, :, :Lx] = x_ids[:, None]  # x's padding is overwritten by z below, or stays masked
+    mask[:, :, :Lx] = x_mask[:, None]
+    z_pos = (x_len[:, None, None] + torch.arange(Lz, device=x_ids.device)).expand(B, K, Lz)  # (B, K, Lz)
+    ids.scatter_(2, z_pos, z_ids)
+    mask.scatter_(2, z_pos, z_mask.to(mask.dtype))
+    token_type = torch.zeros_like(ids).scatter_(2, z_pos, z_mask.to(ids.dtype))  # 1 on z tokens only
+    L = int((x_len[:, None] + z_mask.sum(-1)).max())  # longest real pair; the rest is padding
+    return ids[..., :L], mask[..., :L], token_type[..., :L]
+
+
+class KnowledgeAugmentedEncoder(nn.Module):
+    """p(y_j | x, z): a BERT masked LM reading `[CLS] x [SEP] z [SEP]`.
+
+    `masked_log_probs` runs the encoder once on all B*K pairs and applies the (vocab-sized) MLM
+    head only at the masked positions: the head is the most expensive part at small L.
+    """
+
+    def __init__(self, mlm: BertForMaskedLM):
+        super().__init__()
+        self.mlm = mlm
+
+    @classmethod
+    def from_config(cls, config: BertConfig) -> "KnowledgeAugmentedEncoder":
+        return cls(BertForMaskedLM(config))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "KnowledgeAugmentedEncoder":
+        """From an HF BERT folder (RetroMAE/MLM output); a missing MLM head is freshly initialised."""
+        return cls(BertForMaskedLM.from_pretrained(str(path)))
+
+    def save_pretrained(self, path: str | os.PathLike) -> Path:
+        with atomic_dir(path) as tmp:
+            self.mlm.save_pretrained(tmp)
+        return Path(path)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.mlm.config.pad_token_id
+        return 0 if pad is None else int(pad)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        """Full MLM logits (N, L, V); for inspection and brute-force checks, not the training path."""
+        return self.mlm(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+
+    def masked_log_probs(
+        self,
+        input_ids: torch.Tensor,  # (B, K, L)
+        attention_mask: torch.Tensor,  # (B, K, L)
+        token_type_ids: torch.Tensor,  # (B, K, L)
+        mask_batch: torch.Tensor,  # (M,) example index of each masked token
+        mask_pos: torch.Tensor,  # (M,) its position (inside x, hence also inside the joint input)
+    ) -> torch.Tensor:
+        """log p(. | x, z_k) at every masked token for every document: (M, K, V), float32."""
+        B, K, L = input_ids.shape
+        hidden = self.mlm.bert(
+            input_ids=input_ids.view(B * K, L),
+            attention_mask=attention_mask.view(B * K, L),
+            token_type_ids=token_type_ids.view(B * K, L),
+        ).last_hidden_state  # (B*K, L, H)
+        hidden = hidden.view(B, K, L, -1)[mask_batch, :, mask_pos]  # (M, K, H): only masked tokens
+        logits = self.mlm.cls(hidden)  # (M, K, V)
+        return F.log_softmax(logits.float(), dim=-1)  # float32: logsumexp over K needs the precision
+
+
+# ----------------------------------------------------------------------------------------------
+# REALM
+# ----------------------------------------------------------------------------------------------
+class REALM(nn.Module):
+    """Retriever + knowledge-augmented encoder, trained by maximising the marginal likelihood.
+
+    `forward(batch)` takes the dict built by `components.data.realm_batch.collate`:
+        x_input_ids (B, Lx)  `[CLS] masked x [SEP]`, x_attention_mask (B, Lx),
+        x_labels (B, Lx)     original ids at masked positions, -100 elsewhere,
+        z_input_ids (B, K, Lz) `z [SEP]` per candidate, slot 0 = null document `[SEP]`,
+        z_attention_mask (B, K, Lz), candidate_mask (B, K) optional (False: no document, e.g.
+        the index returned fewer than K; such slots get p(z|x) = 0).
+    Returns scalars: loss, mlm_acc, retrieval_entropy, p_null, retrieval_utility, num_tokens.
+    """
+
+    def __init__(
+        self,
+        retriever: Retriever,
+        knowledge_augmented_encoder: KnowledgeAugmentedEncoder,
+        marginalization: Marginalization = "per_token",
+    ):
+        super().__init__()
+        if marginalization not in ("per_token", "per_sequence"):
+            raise ValueError(f"marginalization must be per_token|per_sequence, got {marginalization!r}")
+        self.retriever = retriever
+        self.knowledge_augmented_encoder = knowledge_augmented_encoder
+        self.marginalization = marginalization
+
+    # -- construction / persistence -------------------------------------------------------------
+    @classmethod
+    def from_params(
+        cls,
+        p,  # components.config.RealmParams
+        *,
+        encoder_config: BertConfig | None = None,
+        retriever_path: str | os.PathLike | None = None,
+        reader_path: str | os.PathLike | None = None,
+    ) -> "REALM":
+        """Build from `RealmParams`: towers from `retriever_path` (an HF encoder folder, e.g. RetroMAE's
+        or ICT's output) unless `retriever_init == "random"`; the reader from `reader_path` (REALM
+        initialises it from BERT; here the MLM/RetroMAE checkpoint), else from `encoder_config`."""
+        if p.retriever_init == "random" or retriever_path is None:
+            if p.retriever_init != "random":
+                raise ValueError(f"retriever_init={p.retriever_init} needs retriever_path (an HF encoder folder)")
+            if encoder_config is None:
+                raise ValueError("retriever_init=random needs encoder_config")
+            retriever = Retriever.from_config(encoder_config, p.retriever_dim, p.share_towers)
+        else:
+            retriever = Retriever.from_encoder(retriever_path, p.retriever_dim, p.share_towers)
+        if reader_path is not None:
+            reader = KnowledgeAugmentedEncoder.from_pretrained(reader_path)
+        elif encoder_config is not None:
+            reader = KnowledgeAugmentedEncoder.from_config(encoder_config)
+        else:
+            raise ValueError("give reader_path or encoder_config for the knowledge-augmented encoder")
+        return cls(retriever, reader, p.marginalization)
+
+    def save_pretrained(self, path: str | os.PathLike) -> Path:
+        """`path/retriever/`, `path/knowledge_augmented_encoder/` (HF folders) and realm_config.json, atomically."""
+        with atomic_dir(path) as tmp:
+            self.retriever._write(tmp / "retriever")
+            self.knowledge_augmented_encoder.mlm.save_pretrained(tmp / "knowledge_augmented_encoder")
+            write_json_atomic(tmp / REALM_CONFIG, {"marginalization": self.marginalization})
+        return Path(path)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "REALM":
+        path = Path(path)
+        cfg = json.loads((path / REALM_CONFIG).read_text())
+        return cls(
+            Retriever.from_pretrained(path / "retriever"),
+            KnowledgeAugmentedEncoder.from_pretrained(path / "knowledge_augmented_encoder"),
+            cfg["marginalization"],
+        )
+
+    # -- the model -------------------------------------------------------------------------------
+    def retrieval_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """log p(z | x) over the K candidates, with the CURRENT retriever: (B, K)."""
+        x_ids, x_mask = batch["x_input_ids"], batch["x_attention_mask"]
+        z_ids, z_mask = batch["z_input_ids"], batch["z_attention_mask"]
+        B, K, Lz = z_ids.shape
+        # Embed_doc input is `[CLS] z [SEP]`; x_ids[:, 0] is the [CLS] id, so no tokenizer is needed here.
+        cls_col = x_ids[:, :1, None].expand(B, K, 1)
+        p_ids = torch.cat([cls_col, z_ids], dim=-1).view(B * K, Lz + 1)  # (B*K, 1+Lz)
+        p_mask = torch.cat([torch.ones_like(z_mask[..., :1]), z_mask], dim=-1).view(B * K, Lz + 1)
+        q = self.retriever.encode_query(x_ids, x_mask)  # (B, d)
+        d = self.retriever.encode_passage(p_ids, p_mask).view(B, K, -1)  # (B, K, d)
+        scores = torch.einsum("bd,bkd->bk", q.float(), d.float())  # (B, K) relevance f(x, z)
+        cand = batch.get("candidate_mask")
+        if cand is not None:
+            scores = scores.masked_fill(~cand.bool(), float("-inf"))
+        return F.log_softmax(scores, dim=-1)  # (B, K)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x_ids, x_mask, labels = batch["x_input_ids"], batch["x_attention_mask"], batch["x_labels"]
+        B = x_ids.shape[0]
+        log_pz = self.retrieval_log_probs(batch)  # (B, K)
+        K = log_pz.shape[1]
+
+        mask_batch, mask_pos = (labels != IGNORE_INDEX).nonzero(as_tuple=True)  # (M,), (M,)
+        targets = labels[mask_batch, mask_pos]  # (M,)
+        M = targets.numel()
+        if M == 0:  # nothing masked: a zero loss that still touches the graph (DDP-safe)
+            zero = log_pz.sum() * 0.0
+            return {"loss": zero, "mlm_acc": zero.detach(), "retrieval_entropy": zero.detach(),
+                    "p_null": zero.detach(), "retrieval_utility": zero.detach(), "num_tokens": zero.detach()}
+
+        ka_ids, ka_mask, ka_types = knowledge_augmented_inputs(
+            x_ids, x_mask, batch["z_input_ids"], batch["z_attention_mask"], self.knowledge_augmented_encoder.pad_token_id)
+        log_py_all = self.knowledge_augmented_encoder.masked_log_probs(ka_ids, ka_mask, ka_types, mask_batch, mask_pos)  # (M, K, V)
+        log_py = log_py_all.gather(-1, targets.view(M, 1, 1).expand(M, K, 1)).squeeze(-1)  # (M, K): log p(y_j|x,z)
+        log_pz_tok = log_pz[mask_batch]  # (M, K)
+
+        if self.marginalization == "per_token":
+            # released code: each masked token marginalises over z on its own
+            log_py_x = torch.logsumexp(log_py + log_pz_tok, dim=1)  # (M,)
+            loss = -log_py_x.mean()
+        else:
+            # paper: one z explains the whole masked span; sum token log-probs per (example, z) first
+            seq_log_py = log_py.new_zeros(B, K).index_add(0, mask_batch, log_py)  # (B, K): sum_j log p(y_j|x,z)
+            has_mask = torch.zeros(B, dtype=torch.bool, device=x_ids.device)
+            has_mask[mask_batch] = True
+            log_py_x_seq = torch.logsumexp(seq_log_py + log_pz, dim=1)[has_mask]  # (B',)
+            loss = -log_py_x_seq.sum() / M
+
+        with torch.no_grad():
+            stats = self._stats(log_py_all, log_py, log_pz, log_pz_tok, targets)
+        return {"loss": loss, **stats, "num_tokens": torch.tensor(float(M), device=loss.device)}
+
+    @staticmethod
+    def _stats(log_py_all, log_py, log_pz, log_pz_tok, targets) -> dict[str, torch.Tensor]:
+        # mlm_acc: argmax of the marginal p(v | x) = sum_z p(v | x, z) p(z | x), at each masked token
+        marginal = torch.logsumexp(log_py_all + log_pz_tok[..., None], dim=1)  # (M, V)
+        acc = (marginal.argmax(-1) == targets).float().mean()
+        pz = log_pz.exp()  # (B, K)
+        entropy = -(pz * log_pz.masked_fill(pz == 0, 0.0)).sum(-1).mean()  # 0 * log 0 := 0
+        # retrieval_utility (released code): how much retrieving helps over the null document alone
+        utility = (torch.logsumexp(log_py + log_pz_tok, dim=1) - log_py[:, 0]).mean()
+        return {"mlm_acc": acc, "retrieval_entropy": entropy, "p_null": pz[:, 0].mean(), "retrieval_utility": utility}
+
+
+def tiny_bert_config(vocab_size: int = 100, hidden: int = 32, layers: int = 1, heads: int = 2, max_position: int = 128) -> BertConfig:
+    """A test-sized BERT config (dropout off so forward passes are deterministic)."""
+    return BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      intermediate_size=hidden * 2, max_position_embeddings=max_position,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+
+
+def demo(seed: int = 0) -> dict[str, float]:
+    """Random tiny REALM on a random batch; returns the forward's scalars."""
+    torch.manual_seed(seed)
+    cfg = tiny_bert_config()
+    model = REALM(Retriever.from_config(cfg, 16), KnowledgeAugmentedEncoder.from_config(cfg))
+    B, K, Lx, Lz = 2, 3, 8, 6
+    x = torch.randint(5, 100, (B, Lx))
+    x[:, 0], x[:, -1] = 2, 3
+    labels = torch.full_like(x, IGNORE_INDEX)
+    labels[:, 2:4] = x[:, 2:4]
+    x[:, 2:4] = 4
+    z = torch.randint(5, 100, (B, K, Lz))
+    z[..., -1] = 3
+    z[:, 0] = 0
+    z[:, 0, 0] = 3
+    z_mask = (z != 0).long()
+    batch = {"x_input_ids": x, "x_attention_mask": torch.ones_like(x), "x_labels": labels,
+             "z_input_ids": z, "z_attention_mask": z_mask}
+    return {k: round(float(v.detach()), 4) for k, v in model(batch).items()}

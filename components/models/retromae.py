@@ -1,0 +1,388 @@
+"""RetroMAE: retrieval-oriented pre-training with a masked auto-encoder (Xiao et al., 2022).
+
+    encoder:  a BERT (BertForMaskedLM) reads the sequence masked at ~30% (whole words, 80/10/10) and
+              is trained with MLM; its last-layer [CLS] state is the sentence embedding.
+    decoder:  ONE post-LN transformer layer that must rebuild the *unmasked* sequence from that
+              sentence embedding alone, with "enhanced decoding": every position i gets its own
+              attention mask, drawn from a pool of ~50% whole-word masks, so each token is
+              reconstructed from the sentence embedding plus a different small, random context.
+    loss:     L = L_enc (MLM on masked positions) + L_dec (every real token, from the decoder).
+
+The decoder only owns its layer's weights: it reuses the encoder's embedding module (for the
+content stream) and MLM head (`cls.predictions`, tied to the word embeddings).
+
+Two streams feed the decoder layer (paper, sec. 3.3):
+    H1 (query)   = e_[CLS] + p_i                   (B, L, H)  what position i asks for
+    H2 (content) = [e_[CLS] ; emb(x_1) ... emb(x_{L-1})]   (B, L, H)  what it may look at
+    A_ij         = softmax(Q(H1) K(H2)^T / sqrt(d) + M_ij) V(H2), M from `position_specific_mask`
+
+Usage (the shared trainer calls `out = model(batch)` and back-props `out["loss"]`):
+    from components.data.masking import SpecialIds, RetroMAECollator
+    ids = SpecialIds.from_tokenizer(tok)
+    model = RetroMAE.from_params(params.retromae, ids)
+    out = model(RetroMAECollator(ids, params.retromae)(rows))
+    save_pretrained_encoder(model, tok, "models/retromae/encoder")   # AutoModel-loadable
+
+Shapes: B batch, L sequence length incl. [CLS]/[SEP], H hidden, P mask-pool size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForMaskedLM, BertConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+
+from components.data.masking import IGNORE_INDEX, SpecialIds, counter_hash, hash_uniform, whole_word_mask
+
+logger = logging.getLogger(__name__)
+
+# Independent random streams of the decoder masks (inputs to `counter_hash` next to the row seed).
+_STREAM_POOL, _STREAM_ROW = 1, 2
+
+
+# ----------------------------------------------------------------------------------------------
+# encoder
+# ----------------------------------------------------------------------------------------------
+def build_encoder(
+    enc: Any, vocab_size: int, pad_token_id: int, *,
+    cls_token_id: int | None = None, sep_token_id: int | None = None, mask_token_id: int | None = None,
+) -> PreTrainedModel:
+    """A BertForMaskedLM from `EncoderParams`: random init (`init: config`) or a local folder.
+
+    A folder that holds only a bare encoder (e.g. a sentence-transformers BertModel) gets a fresh
+    MLM head tied to its word embeddings, with a warning; missing *encoder* weights are an error.
+    """
+    if enc.init == "config":
+        config = BertConfig(
+            vocab_size=vocab_size, hidden_size=enc.hidden_size, num_hidden_layers=enc.num_layers,
+            num_attention_heads=enc.num_heads, intermediate_size=enc.intermediate_size,
+            max_position_embeddings=enc.max_position, hidden_dropout_prob=enc.dropout,
+            attention_probs_dropout_prob=enc.dropout, pad_token_id=pad_token_id, tie_word_embeddings=True,
+            # recorded so a saved encoder folder says which ids it was trained with
+            cls_token_id=cls_token_id, sep_token_id=sep_token_id, mask_token_id=mask_token_id,
+        )
+        return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa")
+    return load_pretrained_encoder(enc.pretrained_path, vocab_size, dropout=enc.dropout)
+
+
+def load_pretrained_encoder(path: str | os.PathLike, vocab_size: int | None = None, dropout: float | None = None) -> PreTrainedModel:
+    """AutoModelForMaskedLM from a folder, checking what HF would otherwise silently random-init."""
+    overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    model, info = AutoModelForMaskedLM.from_pretrained(
+        str(path), output_loading_info=True, attn_implementation="sdpa", **overrides
+    )
+    head_prefix = _head_prefix(model)
+    missing = sorted(info["missing_keys"])
+    body_missing = [k for k in missing if not k.startswith(head_prefix)]
+    if body_missing:
+        raise ValueError(f"{path}: encoder weights missing from the checkpoint (would be random): {body_missing[:8]}")
+    if missing:
+        logger.warning(
+            "%s has no MLM head (missing %s); building one: transform randomly initialised, output "
+            "layer tied to the word embeddings, bias 0. MLM/decoder losses start high until it trains.",
+            path, ", ".join(missing),
+        )
+        _init_mlm_head(model)
+    if vocab_size is not None and vocab_size > model.config.vocab_size:
+        logger.warning("%s: tokenizer has %d ids > model's %d; resizing the (tied) embeddings", path, vocab_size, model.config.vocab_size)
+        model.resize_token_embeddings(vocab_size)
+    return model
+
+
+def _head_prefix(model: PreTrainedModel) -> str:
+    mlm_head(model)  # raises for unsupported families
+    return "cls."
+
+
+def mlm_head(encoder: PreTrainedModel) -> nn.Module:
+    """The MLM head (hidden -> vocabulary logits). BERT family: `cls` (BertOnlyMLMHead)."""
+    head = getattr(encoder, "cls", None)
+    if head is None or not hasattr(head, "predictions"):
+        raise TypeError(f"RetroMAE here expects a BERT-family *ForMaskedLM (with .cls.predictions); got {type(encoder).__name__}")
+    return head
+
+
+def _init_mlm_head(model: PreTrainedModel) -> None:
+    """Fresh BERT MLM head: transform ~ N(0, initializer_range), LayerNorm = identity, bias 0,
+    output weight tied to the input word embeddings (so it starts from the pretrained vocabulary)."""
+    pred = mlm_head(model).predictions
+    std = model.config.initializer_range
+    with torch.no_grad():
+        nn.init.normal_(pred.transform.dense.weight, std=std)
+        nn.init.zeros_(pred.transform.dense.bias)
+        nn.init.ones_(pred.transform.LayerNorm.weight)
+        nn.init.zeros_(pred.transform.LayerNorm.bias)
+        nn.init.zeros_(pred.bias)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    if pred.decoder.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+        pred.decoder.weight = model.get_input_embeddings().weight  # tie by hand if HF declined
+    pred.decoder.bias = pred.bias
+
+
+def cls_embedding(encoder: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last-layer [CLS] state (B, H) of a *ForMaskedLM or a bare encoder (AutoModel)."""
+    body = encoder.base_model if hasattr(encoder, "base_model") else encoder
+    return body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, 0]  # (B, H)
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean CE and accuracy over already-selected positions: logits (N, V), labels (N,).
+    N = 0 gives a zero loss that is still attached to the graph (the step stays valid)."""
+    if labels.numel() == 0:
+        zero = logits.sum() * 0.0
+        return zero, zero.detach()
+    loss = F.cross_entropy(logits.float(), labels)
+    acc = (logits.detach().argmax(-1) == labels).float().mean()
+    return loss, acc
+
+
+def _predicted_positions(labels: torch.Tensor) -> torch.Tensor:
+    # Flat indices (N,) of positions that carry a label. This is a host sync (the count decides
+    # the shape); it is done before the encoder runs, so it costs no idle time mid-step, and it
+    # lets the (V x H) head run on ~30% (encoder) of the positions instead of all of them.
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# enhanced decoding: the position-specific attention mask
+# ----------------------------------------------------------------------------------------------
+def decoder_mask_pool(word_ids: torch.Tensor, seed: torch.Tensor, ratio: float, pool_size: int, passes: int = 4) -> torch.Tensor:
+    """P whole-word masks per sequence at `ratio` (True = hidden from the decoder).
+
+    word_ids (B, L) long (-1 = special/pad: never masked), seed (B,) long -> (B, P, L) bool with
+    P = min(pool_size, L): a row never needs more pool entries than it has positions (the reference
+    collator draws min(len, 128) masks).
+    """
+    B, L = word_ids.shape
+    P = min(pool_size, L)
+    dev = word_ids.device
+    p = torch.arange(P, device=dev).view(1, P, 1)
+    w = torch.arange(L, device=dev).view(1, 1, L)  # word ids are < L (renumbered per row by the collator)
+    keys = hash_uniform(seed.view(B, 1, 1), torch.tensor(_STREAM_POOL, device=dev), p, w)  # (B, P, L) word priorities
+    words = word_ids[:, None, :].expand(B, P, L).reshape(B * P, L)  # (B*P, L)
+    return whole_word_mask(words, ratio, keys.reshape(B * P, L), passes).view(B, P, L)
+
+
+def decoder_row_choice(seed: torch.Tensor, attention_mask: torch.Tensor, pool_size: int) -> torch.Tensor:
+    """Which pool entry each decoder row i uses: (B, L) long, uniform over the row's first
+    min(n_b, P) entries (n_b = real tokens incl. specials, as the reference collator)."""
+    B, L = attention_mask.shape
+    n = attention_mask.sum(1).clamp(min=1, max=pool_size)  # (B,)
+    i = torch.arange(L, device=attention_mask.device).view(1, L)
+    return counter_hash(seed.view(B, 1), torch.tensor(_STREAM_ROW, device=seed.device), i) % n.view(B, 1)  # (B, L)
+
+
+def position_specific_mask(pool: torch.Tensor, choice: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """visible[b, i, j] (B, L, L) bool: may decoder row i attend to position j?
+
+    Row i sees everything its pool draw leaves unmasked, except itself (it must predict its own
+    token) and padding. Position 0 holds the sentence embedding and is never in a pool mask (special
+    token), so every row but row 0 sees it; this also keeps padded rows from being all-False (SDPA
+    would return NaN there). Row 0 ([CLS], no loss) still sees [SEP] and the unmasked tokens.
+    """
+    B, P, L = pool.shape
+    hidden = pool.gather(1, choice.view(B, L, 1).expand(B, L, L))  # (B, L, L) row i's draw
+    visible = ~hidden & attention_mask.bool().view(B, 1, L)  # padding keys never visible
+    visible &= ~torch.eye(L, dtype=torch.bool, device=pool.device)  # never itself
+    visible[:, 1:, 0] = True  # the sentence embedding, for every row but its own
+    return visible
+
+
+# ----------------------------------------------------------------------------------------------
+# the decoder layer
+# ----------------------------------------------------------------------------------------------
+class EnhancedDecoderLayer(nn.Module):
+    """One post-LN BERT layer with two input streams: queries from H1, keys/values from H2.
+
+        x   = LayerNorm(H1 + Dropout(O(Attention(Q H1, K H2, V H2, mask))))   # residual on the query stream
+        out = LayerNorm(x + Dropout(W2 act(W1 x)))
+    These are the decoder's only new weights.
+    """
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        self.num_heads = config.num_attention_heads
+        self.query, self.key, self.value = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
+        self.attn_out = nn.Linear(H, H)
+        self.attn_norm = nn.LayerNorm(H, eps=config.layer_norm_eps)
+        self.ffn_in, self.ffn_out = nn.Linear(H, I), nn.Linear(I, H)
+        self.act = ACT2FN[config.hidden_act]
+        self.ffn_norm = nn.LayerNorm(H, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.attn_dropout = config.attention_probs_dropout_prob
+        self.reset_parameters(config.initializer_range)
+
+    def reset_parameters(self, std: float) -> None:
+        # BERT's init (the reference applies the encoder's `_init_weights` to this layer).
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, H = x.shape
+        return x.view(B, L, self.num_heads, H // self.num_heads).transpose(1, 2)  # (B, nh, L, hd)
+
+    def forward(self, h1: torch.Tensor, h2: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        B, L, H = h1.shape  # h1, h2: (B, L, H); visible: (B, L, L) bool
+        q, k, v = self._heads(self.query(h1)), self._heads(self.key(h2)), self._heads(self.value(h2))
+        ctx = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible[:, None], dropout_p=self.attn_dropout if self.training else 0.0
+        )  # (B, nh, L, hd); the mask broadcasts over heads
+        ctx = ctx.transpose(1, 2).reshape(B, L, H)  # (B, L, H)
+        x = self.attn_norm(h1 + self.dropout(self.attn_out(ctx)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(self.act(self.ffn_in(x)))))  # (B, L, H)
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+# ----------------------------------------------------------------------------------------------
+class RetroMAE(nn.Module):
+    """Encoder (BertForMaskedLM) + one-layer enhanced decoder. `forward(batch)` -> dict of scalars.
+
+    batch (from `RetroMAECollator`): encoder_input_ids, attention_mask, encoder_labels,
+    decoder_input_ids, word_ids (B, L) and decoder_seed (B,) (optional: drawn here if absent).
+    """
+
+    def __init__(self, encoder: PreTrainedModel, params: Any = None, *, decoder_mask_ratio: float = 0.5,
+                 mask_pool_size: int = 128, h1_mode: str = "raw", passes: int = 4):
+        super().__init__()
+        if params is not None:  # a RetroMAEParams
+            decoder_mask_ratio, mask_pool_size, h1_mode = params.decoder_mask_ratio, params.mask_pool_size, params.h1_mode
+            if params.max_len > encoder.config.max_position_embeddings:
+                raise ValueError(f"max_len={params.max_len} > the encoder's {encoder.config.max_position_embeddings} positions")
+        if h1_mode not in ("raw", "embedding"):
+            raise ValueError(f"h1_mode must be raw|embedding, got {h1_mode!r}")
+        mlm_head(encoder)  # fail early on an unsupported encoder family
+        self.encoder = encoder
+        self.decoder = EnhancedDecoderLayer(encoder.config)
+        self.decoder_mask_ratio, self.mask_pool_size, self.h1_mode, self.passes = decoder_mask_ratio, mask_pool_size, h1_mode, passes
+
+    @classmethod
+    def from_params(cls, params: Any, ids: SpecialIds) -> "RetroMAE":
+        encoder = build_encoder(params.encoder, ids.vocab_size, ids.pad, cls_token_id=ids.cls,
+                                sep_token_id=ids.sep, mask_token_id=ids.mask)
+        return cls(encoder, params)
+
+    # Shared modules are reached through the encoder (properties, not attributes, so that the
+    # state dict holds each weight once, under `encoder.`).
+    @property
+    def embeddings(self) -> nn.Module:
+        return self.encoder.base_model.embeddings
+
+    @property
+    def head(self) -> nn.Module:
+        return mlm_head(self.encoder)
+
+    # -- retrieval-side API -------------------------------------------------------------------
+    def encode_passage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[CLS] vectors (B, H) of unmasked passages."""
+        return cls_embedding(self.encoder, input_ids, attention_mask)
+
+    def encode_query(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[CLS] vectors (B, H) of queries: RetroMAE pre-trains one tower for both sides."""
+        return cls_embedding(self.encoder, input_ids, attention_mask)
+
+    # -- enhanced decoding ---------------------------------------------------------------------
+    def decoder_attention_mask(self, word_ids: torch.Tensor, attention_mask: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        """(B, L, L) bool visibility for the decoder, built on the batch's device, no host loop."""
+        pool = decoder_mask_pool(word_ids, seed, self.decoder_mask_ratio, self.mask_pool_size, self.passes)  # (B, P, L)
+        choice = decoder_row_choice(seed, attention_mask, pool.size(1))  # (B, L)
+        return position_specific_mask(pool, choice, attention_mask)  # (B, L, L)
+
+    def enhanced_decoding(self, cls: torch.Tensor, decoder_input_ids: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Decoder states (B, L, H) from the sentence embedding `cls` (B, 1, H) and the original ids."""
+        B, L = decoder_input_ids.shape
+        emb = self.embeddings
+        # H2, content stream: the sentence embedding in slot 0, then the embeddings of the original
+        # (unmasked) tokens; which of them a row may read is decided by `visible`.
+        content = emb(input_ids=decoder_input_ids)  # (B, L, H) word + position + type, LayerNorm, dropout
+        h2 = torch.cat([cls, content[:, 1:]], dim=1)  # (B, L, H)
+        # H1, query stream: the same sentence embedding at every position, told apart only by p_i.
+        if self.h1_mode == "raw":  # reference code: e_[CLS] + p_i, no LayerNorm
+            pos = emb.position_embeddings(torch.arange(L, device=cls.device))  # (L, H)
+            h1 = cls + pos.unsqueeze(0)  # (B, L, H)
+        else:  # FlagEmbedding: through the embedding module (+ type emb, LayerNorm, dropout)
+            h1 = emb(inputs_embeds=cls.expand(B, L, -1))  # (B, L, H)
+        return self.decoder(h1, h2, visible)  # (B, L, H)
+
+    # -- training ------------------------------------------------------------------------------
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        enc_ids, attn = batch["encoder_input_ids"], batch["attention_mask"]  # (B, L)
+        dec_ids, word_ids = batch["decoder_input_ids"], batch["word_ids"]  # (B, L)
+        seed = batch.get("decoder_seed")
+        if seed is None:  # not reproducible across resumes; RetroMAECollator always provides it
+            seed = torch.randint(0, 2**31 - 1, (enc_ids.size(0),), device=enc_ids.device)
+        enc_labels = batch["encoder_labels"]  # (B, L) original id at masked positions, else -100
+        dec_labels = dec_ids.masked_fill(word_ids < 0, IGNORE_INDEX)  # (B, L) every real token; no specials/pad
+        enc_pos, dec_pos = _predicted_positions(enc_labels), _predicted_positions(dec_labels)  # (Ne,), (Nd,)
+
+        hidden = self.encoder.base_model(input_ids=enc_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
+        cls = hidden[:, :1]  # (B, 1, H) sentence embedding, computed on the *masked* input
+
+        visible = self.decoder_attention_mask(word_ids, attn, seed)  # (B, L, L)
+        dec_hidden = self.enhanced_decoding(cls, dec_ids, visible)  # (B, L, H)
+
+        # One pass of the shared head over both streams' predicted positions: a single GEMM with
+        # the tied (V, H) weight (and a single one for its gradient) instead of two.
+        H = hidden.size(-1)
+        rows = torch.cat([hidden.reshape(-1, H)[enc_pos], dec_hidden.reshape(-1, H)[dec_pos]])  # (Ne+Nd, H)
+        enc_logits, dec_logits = self.head(rows).split([enc_pos.numel(), dec_pos.numel()])  # (Ne, V), (Nd, V)
+        loss_enc, acc_enc = token_cross_entropy(enc_logits, enc_labels.reshape(-1)[enc_pos])
+        loss_dec, acc_dec = token_cross_entropy(dec_logits, dec_labels.reshape(-1)[dec_pos])
+        return {
+            "loss": loss_enc + loss_dec,
+            "loss_enc": loss_enc.detach(),
+            "loss_dec": loss_dec.detach(),
+            "acc_enc": acc_enc,
+            "acc_dec": acc_dec,
+            "num_tokens": attn.sum(),
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# export
+# ----------------------------------------------------------------------------------------------
+def _unwrap_encoder(model: nn.Module) -> PreTrainedModel:
+    model = getattr(model, "module", model)  # DDP / compiled wrappers
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "encoder", model) if not isinstance(model, PreTrainedModel) else model
+
+
+def save_pretrained_encoder(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike) -> Path:
+    """Write the encoder (RetroMAE / MLMModel / a bare *ForMaskedLM) as an HF folder (safetensors,
+    + tokenizer when given), loadable with AutoModel and AutoModelForMaskedLM. Atomic: written to a
+    temp sibling, then swapped in with os.replace."""
+    encoder = _unwrap_encoder(model)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        encoder.save_pretrained(tmp)  # transformers 5 writes model.safetensors (tied weights once)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out.exists():  # os.replace cannot replace a non-empty folder: move the old one aside first
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,176 @@
+"""Process-group plumbing for the shared trainer: torchrun env vars in, (rank, world, device) out.
+
+The trainer calls `init_distributed` itself, so a stage script is the same file with 1 or N
+processes. Launching N processes is the caller's job (the Prefect flow):
+
+    cmd = torchrun_command("components.stages.retromae", ["--params", "params.yaml"], nproc=2)
+    rc = run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, log=logger.info)
+
+which runs `python -m torch.distributed.run --standalone --nproc_per_node=2 -m components.stages.retromae ...`.
+Collectives here never pickle: only tensors travel between ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from components.config import ComputeParams
+
+
+class DistInfo(NamedTuple):
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """`compute.device` -> torch.device; "auto" is cuda when available, else cpu."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("compute.device=cuda but torch sees no CUDA device (use compute.device=auto or cpu)")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def init_distributed(compute: ComputeParams) -> DistInfo:
+    """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK, init the process group once, pick the device.
+
+    Idempotent: a second call returns the same answer without re-initialising. Without torchrun
+    env vars this is a single process (rank 0 of 1) and no process group is created.
+    """
+    if compute.num_threads > 0:
+        torch.set_num_threads(compute.num_threads)
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = resolve_device(compute.device, local_rank)
+    if world_size == 1 and compute.nproc > 1:
+        warnings.warn(
+            f"compute.nproc={compute.nproc} but this process was not launched by torchrun; "
+            "training with 1 process (launch with distributed.torchrun_command)",
+            stacklevel=2,
+        )
+    if world_size > 1 and not dist.is_initialized():
+        backend = compute.ddp_backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and device.type != "cuda":
+            raise RuntimeError("compute.ddp_backend=nccl needs compute.device=cuda; use gloo on CPU")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend)
+    return DistInfo(rank, world_size, local_rank, device)
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_rank0() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if not is_dist():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def cleanup() -> None:
+    """Destroy the process group (call once at process exit; the trainer does not)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce (sum or max); a no-op with one process."""
+    if is_dist():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_int(value: int, device: torch.device, src: int = 0) -> int:
+    """Rank `src`'s int, on every rank (as a tensor: no pickled objects between ranks)."""
+    if not is_dist():
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.broadcast(t, src=src)
+    return int(t.item())
+
+
+# ----------------------------------------------------------------------------------------------
+# launching
+# ----------------------------------------------------------------------------------------------
+def torchrun_command(
+    module_or_script: str, args: Sequence[str] = (), nproc: int = 1, python: str | None = None
+) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=N (-m module | script.py) args...`.
+
+    A path (ends in .py or contains a path separator) is run as a script, anything else as a module.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1 (got {nproc})")
+    is_script = module_or_script.endswith(".py") or os.sep in module_or_script or "/" in module_or_script
+    target = [module_or_script] if is_script else ["-m", module_or_script]
+    return [
+        python or sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc_per_node={nproc}",
+        *target, *map(str, args),
+    ]  # fmt: skip
+
+
+def run_streaming(
+    cmd: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    log: Callable[[str], object] = print,
+    cwd: str | os.PathLike | None = None,
+) -> int:
+    """Run `cmd`, hand each output line (stdout and stderr merged) to `log` as it arrives.
+
+    `env` is merged over the current environment. Returns the exit code; if the caller is
+    interrupted, the child is terminated first so no orphan keeps a GPU.
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        list(cmd), env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, errors="replace", bufsize=1,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log(line.rstrip("\n"))
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise

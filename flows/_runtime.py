@@ -1,0 +1,110 @@
+"""Shared plumbing for the stage flows: paths, params, Prefect server bootstrap, run tags.
+
+Flows stay thin: load params, open the stage's MLflow run, call `components/`, log, done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+from components.config import Params, load_params
+
+# The DAG's folders. They are wiring owned by dvc.yaml (deps/outs), not knobs, so they live here.
+CORPUS = Path("data/corpus")
+TOKENS = Path("data/tokens")
+RETROMAE_OUT = Path("models/retromae")
+MLM_OUT = Path("models/mlm")
+REALM_OUT = Path("models/realm")
+FINETUNE_OUT = Path("models/finetune")
+METRICS = Path("metrics")
+PLOTS = Path("plots")
+CHECKPOINTS = Path("checkpoints")  # outside DVC outs: survives a crash and a `dvc repro` reset
+
+STAGES = ["prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune", "evaluate"]
+
+log = logging.getLogger("retro_realm")
+
+
+def params_from_env() -> Params:
+    return load_params(os.environ.get("RR_PARAMS", "params.yaml"))
+
+
+def prefect_tags() -> dict[str, str]:
+    """Prefect's flow-run id for MLflow tags; also exported so torchrun ranks inherit it."""
+    try:
+        from prefect.runtime import flow_run
+
+        fid = flow_run.get_id()
+    except Exception:  # noqa: BLE001 - outside a flow run
+        fid = None
+    if fid:
+        os.environ["RR_PREFECT_FLOW_RUN_ID"] = str(fid)
+        return {"prefect.flow_run_id": str(fid)}
+    return {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def local_prefect_api(home: str | os.PathLike = ".prefect", timeout: float = 90.0) -> Iterator[str | None]:
+    """One local Prefect API for a whole pipeline run, shared by every stage process.
+
+    Without PREFECT_API_URL each stage process would start its own ephemeral API (15-25 s each on
+    2 cores). Here the pipeline starts `prefect server start` once (own process group, 127.0.0.1,
+    free port, state in `.prefect/`), exports PREFECT_API_URL to its children, and stops it at the
+    end. If PREFECT_API_URL is already set (a real server / work pool), it is used as is.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        yield os.environ["PREFECT_API_URL"]
+        return
+    home = Path(home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_API_HOST": "127.0.0.1"}
+    logf = open(home / "server.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-services"],
+                            env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    try:
+        while not _healthy(url):
+            if proc.poll() is not None or time.time() - t0 > timeout:
+                tail = (home / "server.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"local Prefect API did not start within {timeout:.0f}s (log {home/'server.log'}):\n{tail}")
+            time.sleep(0.3)
+        log.info("local Prefect API at %s (ready in %.1fs)", url, time.time() - t0)
+        os.environ["PREFECT_API_URL"] = url
+        os.environ["PREFECT_HOME"] = str(home)
+        yield url
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        logf.close()

@@ -1,0 +1,52 @@
+"""Stage `prepare_corpus`: read the configured source, normalise, de-duplicate, write data/corpus/.
+
+    python -m flows.prepare_corpus          # what `dvc repro prepare_corpus` runs
+"""
+
+from __future__ import annotations
+
+from prefect import flow, task
+
+from components.data.errors import DataError
+from components.data.prepare import prepare_corpus
+from components.tracking import StageRun
+from flows._runtime import CORPUS, params_from_env, prefect_tags
+
+
+def _retry_io_only(task, task_run, state) -> bool:
+    """Retry transient I/O (S3, network); a bad input file will be just as bad on the next try."""
+    try:
+        state.result()
+    except (DataError, ValueError):
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+@task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_io_only)
+def read_clean_write(data_params, out_dir: str) -> dict:
+    return prepare_corpus(data_params, out_dir)
+
+
+@flow(name="prepare_corpus", log_prints=True)
+def prepare_corpus_flow() -> dict:
+    params = params_from_env()
+    with StageRun("prepare_corpus", params, ["data"], extra_tags=prefect_tags()) as run:
+        card = read_clean_write(params.data, str(CORPUS))
+        run.log_dataset(CORPUS, name="corpus", context="output")
+        run.log_metrics_now({
+            "passages": card["passages"],
+            "duplicates_dropped": card["dedupe"]["duplicates_dropped"],
+            "skipped_lines": card["read"]["skipped"],
+            "queries_train": card["queries"]["train"],
+            "queries_test": card["queries"]["test"],
+        })
+        run.log_artifact(CORPUS / "data_card.json")
+        print(f"prepare_corpus: {card['passages']} passages ({card['dedupe']['duplicates_dropped']} duplicates dropped, "
+              f"{card['read']['skipped']} bad lines skipped), queries {card['queries']}")
+        return card
+
+
+if __name__ == "__main__":
+    prepare_corpus_flow()

@@ -1,0 +1,60 @@
+"""params.yaml loads into typed config; bad values name the key and the allowed values."""
+
+import pytest
+import yaml
+
+from components.config import Params, ParamsError, load_params
+from tests.conftest import ROOT
+
+
+def test_real_params_yaml_is_valid_and_complete():
+    p = load_params(ROOT / "params.yaml")
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    # every section of the typed config is spelled out in params.yaml: no hidden defaults
+    assert set(raw) == set(Params.model_fields)
+    assert p.retromae.encoder_mask_ratio == 0.3 and p.retromae.decoder_mask_ratio == 0.5
+    assert p.realm.top_k == 8 and p.data.source == "synthetic"
+
+
+def test_paper_preset_applies_papers_settings():
+    p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/paper.yaml"])
+    assert p.tokenize.pretrain_block_len == 510 and p.tokenize.retrieval_block_len == 288
+    assert p.realm.query_len == 96 and p.realm.block_len == 288 and p.realm.refresh_every == 500
+    assert p.retromae.encoder.hidden_size == 768 and p.retromae.encoder.num_layers == 12
+
+
+@pytest.mark.parametrize("override, must_contain", [
+    ({"retromae.trian": 1}, ["retromae.trian", "unknown key", "allowed keys here", "train"]),
+    ({"retromae.h1_mode": "layernorm"}, ["retromae.h1_mode", "'raw' or 'embedding'", "layernorm"]),
+    ({"compute.nproc": 0}, ["compute.nproc", "greater than or equal to 1", "got 0"]),
+    ({"retromae.encoder_mask_ratio": 1.5}, ["retromae.encoder_mask_ratio", "less than 1"]),
+    ({"realm.top_k": "eight"}, ["realm.top_k", "integer"]),
+    ({"data.source": "jsonl"}, ["data", "needs `path`"]),
+    ({"data.split.dev": 0.6, "data.split.test": 0.5}, ["data.split", "dev + test must be < 1"]),
+])
+def test_invalid_params_name_the_key(override, must_contain):
+    with pytest.raises(ParamsError) as e:
+        load_params(ROOT / "params.yaml", overrides=override)
+    msg = str(e.value)
+    assert "params.yaml" in msg
+    for s in must_contain:
+        assert s in msg, msg
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("retromae: [unclosed\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(bad)
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml")
+    bad.write_text("- a list\n")
+    with pytest.raises(ParamsError, match="mapping of sections"):
+        load_params(bad)
+
+
+def test_section_digest_changes_only_with_its_section():
+    a = load_params(ROOT / "params.yaml")
+    b = load_params(ROOT / "params.yaml", overrides={"tokenize.vocab_size": 999})
+    assert a.section_digest("retromae") == b.section_digest("retromae")
+    assert a.section_digest("tokenize") != b.section_digest("tokenize")

@@ -1,0 +1,78 @@
+"""Results table (Markdown/HTML), plots and dvc-plots CSVs."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from components.eval.report import recall_by_system, results_table, write_plots, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+ROWS = [
+    {"system": "bm25", "dataset": "synthetic", "ndcg_at_10": 0.41, "mrr_at_10": 0.35,
+     "recall_at_1": 0.3, "recall_at_5": 0.55, "recall_at_20": 0.7, "recall_at_100": 0.9, "per_query": {"q": {}}},
+    {"system": "realm<retromae>", "dataset": "synthetic", "ndcg_at_10": 0.52, "mrr_at_10": 0.47,
+     "recall_at_1": 0.4, "recall_at_5": 0.66, "recall_at_20": 0.8, "recall_at_100": 0.95, "em": 0.25, "f1": 0.31},
+]
+
+
+def test_markdown_table():
+    md = results_table(ROWS)
+    lines = md.strip().splitlines()
+    assert lines[0] == "| System | Dataset | nDCG@10 | MRR@10 | R@1 | R@5 | R@20 | R@100 | EM | F1 |"
+    assert len(lines) == 2 + len(ROWS)
+    assert lines[2] == "| bm25 | synthetic | 0.410 | 0.350 | 0.300 | 0.550 | 0.700 | 0.900 | - | - |"
+    # the best value per column is bold; EM has a single value, so nothing to compare: not bold
+    assert "**0.520**" in lines[3] and "**0.950**" in lines[3] and "| 0.250 |" in lines[3]
+
+
+def test_html_table_escapes():
+    h = results_table(ROWS, fmt="html")
+    assert h.count("<tr>") == 1 + len(ROWS)
+    assert "realm&lt;retromae&gt;" in h and "<retromae>" not in h
+    assert "<th>R@100</th>" in h
+    with pytest.raises(ValueError):
+        results_table(ROWS, fmt="latex")
+    with pytest.raises(ValueError):
+        results_table([])
+
+
+def test_columns_follow_the_rows():
+    md = results_table([{"system": "s", "dataset": "d", "recall_at_3": 0.5, "recall_at_1": 0.25}])
+    assert md.splitlines()[0] == "| System | Dataset | R@1 | R@3 |"
+
+
+def test_recall_by_system_labels():
+    assert recall_by_system(ROWS)["bm25"] == {1: 0.3, 5: 0.55, 20: 0.7, 100: 0.9}
+    two = ROWS + [{"system": "bm25", "dataset": "nq", "recall_at_1": 0.1}]
+    assert set(recall_by_system(two)) == {"bm25 / synthetic", "realm<retromae> / synthetic", "bm25 / nq"}
+
+
+def test_write_report_files(tmp_path: Path):
+    curves = {"retromae loss": [(1, 7.0), (2, 6.5), (3, 6.1)], "mlm loss": [(1, 7.2), (2, 6.9)]}
+    out = write_report(tmp_path / "eval", ROWS, curves=curves)
+    assert set(out) == {"markdown", "html", "recall_csv", "recall_png", "curves_csv", "curves_png"}
+    for key in ("recall_png", "curves_png"):
+        data = out[key].read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, key
+    assert out["markdown"].read_text() == results_table(ROWS)
+    assert out["html"].read_text().startswith("<!doctype html>")
+
+    with open(out["recall_csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["system", "k", "recall"]  # long format for `dvc plots`
+    assert len(rows) == 8 and rows[0] == {"system": "bm25", "k": "1", "recall": "0.3"}
+    with open(out["curves_csv"], newline="") as f:
+        crow = list(csv.DictReader(f))
+    assert len(crow) == 5 and crow[-1] == {"name": "mlm loss", "step": "2", "value": "6.9"}
+    assert not list((tmp_path / "eval").glob(".tmp-*"))  # atomic: no temp files left behind
+
+
+def test_write_plots_only_what_is_given(tmp_path: Path):
+    out = write_plots(tmp_path, curves={"loss": [(1, 1.0)], "empty": []})
+    assert set(out) == {"curves_csv", "curves_png"}
+    assert not (tmp_path / "recall_at_k.png").exists()
+    assert write_plots(tmp_path / "none") == {}
