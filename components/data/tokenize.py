@@ -93,11 +93,11 @@ def word_chunks(word_ids: np.ndarray, max_len: int) -> list[tuple[int, int]]:
         end = min(start + max_len, n)
         if end < n and word_ids[end] == word_ids[end - 1]:
             # back off to the start of the word that straddles the cut, unless the chunk is one word
-            cut = end - 1
-            while cut > start and word_ids[cut] == word_ids[end]:
-                cut -= 1
-            if cut > start:
-                end = cut + 1
+            word_start = end - 1
+            while word_start > start and word_ids[word_start - 1] == word_ids[end]:
+                word_start -= 1
+            if word_start > start:
+                end = word_start
         out.append((start, end))
         start = end
     return out
