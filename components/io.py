@@ -22,6 +22,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; outputs are meant to be shared/readable
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -266,13 +266,17 @@ class StageRun:
 
     def log_dataset(self, path: str | os.PathLike, name: str | None = None, context: str = "input") -> str:
         """`mlflow.log_input` of a folder or file, with its md5 digest. Returns the digest."""
-        from mlflow.data.artifact_dataset_sources import LocalArtifactDatasetSource
+        import warnings
+
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
         from mlflow.data.meta_dataset import MetaDataset
-        from mlflow.entities import InputTag
 
         path = Path(path)
         digest, n_files, size = tree_digest(path)
-        ds = MetaDataset(source=LocalArtifactDatasetSource(str(path.resolve())), name=name or path.name, digest=digest[:16])
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local-file sources
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(str(path.resolve()))
+        ds = MetaDataset(source=source, name=name or path.name, digest=digest[:16])
         self.client.log_inputs(self.run_id, datasets=[_dataset_input(ds, context)])
         self.client.set_tag(self.run_id, f"rr.data.{name or path.name}.md5", digest)
         return digest

@@ -217,7 +217,7 @@ INSTRUMENTS = ["lute", "cello", "harp", "fiddle", "oboe", "flute", "zither", "ba
 PETS = ["heron", "tortoise", "ferret", "goat", "parrot", "hound", "owl", "cat"]
 FLAG_COLOURS = ["red", "blue", "green", "white", "black", "yellow", "purple", "orange", "grey", "crimson"]
 WATER_COLOURS = ["brown", "green", "grey", "blue", "black", "silver"]
-INDUSTRIES = ["fishing", "weaving", "mining", "brewing", "pottery", "shipbuilding", "tanning", "salt"]
+INDUSTRIES = ["fishing", "weaving", "mining", "brewing", "pottery", "shipbuilding", "tanning", "milling"]
 REGIONS = ["northern highlands", "eastern marshes", "southern plains", "western hills", "central valley",
            "coastal lowlands"]
 PRODUCTS = ["copper kettles", "glass lanterns", "wool blankets", "clay pipes", "pocket watches", "rope", "paper",

@@ -74,7 +74,7 @@ class BM25Retriever:
             cand = np.flatnonzero(scores >= kth)
         else:
             cand = np.arange(n)
-        order = np.argsort(-scores[cand], kind="stable")  # last key is primary
+        order = np.lexsort((self._id_rank[cand], -scores[cand]))  # last key is primary
         return cand[order[:k]]
 
     def retrieve(self, queries: Sequence[str], k: int) -> tuple[list[list[str]], np.ndarray]:
