@@ -72,3 +72,38 @@ def params() -> Params:
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
+
+
+def make_workspace(dest: Path, overrides: dict | None = None) -> Path:
+    """A throwaway copy of this repo (tracked + untracked-not-ignored files, and .dvc/), as a fresh
+    git repo with tiny params: what a user's clone looks like, without touching this checkout."""
+    import shutil
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    shutil.copytree(ROOT / ".dvc", dest / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"), dirs_exist_ok=True)
+    from flows.pipeline import apply_param_overrides
+
+    apply_param_overrides({**TINY, **(overrides or {})}, path=str(dest / "params.yaml"))
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
+    subprocess.run(["git", "commit", "-qm", "workspace"], cwd=dest, check=True, env=env)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def shared_prefect_api(tmp_path_factory):
+    """One local Prefect API for the session, started the way `flows.pipeline` starts it."""
+    from flows._runtime import local_prefect_api
+
+    saved = os.environ.pop("PREFECT_API_URL", None)
+    with local_prefect_api(home=tmp_path_factory.mktemp("prefect")) as url:
+        yield url
+    if saved:
+        os.environ["PREFECT_API_URL"] = saved

@@ -364,7 +364,10 @@ class REALM(nn.Module):
         p_mask = torch.cat([torch.ones_like(z_mask[..., :1]), z_mask], dim=-1).view(B * K, Lz + 1)
         q = self.retriever.encode_query(x_ids, x_mask)  # (B, d)
         d = self.retriever.encode_passage(p_ids, p_mask).view(B, K, -1)  # (B, K, d)
-        scores = torch.einsum("bd,bkd->bk", q.float(), d.float())  # (B, K) relevance f(x, z)
+        # float32 even under bf16 autocast: scores of tens with bf16's 8-bit mantissa would be
+        # rounded by ~0.25, enough to reorder close candidates in p(z|x).
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            scores = torch.einsum("bd,bkd->bk", q.float(), d.float())  # (B, K) relevance f(x, z)
         cand = batch.get("candidate_mask")
         if cand is not None:
             scores = scores.masked_fill(~cand.bool(), float("-inf"))

@@ -1,0 +1,101 @@
+"""Dense retrieval for evaluation: encode queries and blocks, search FAISS, aggregate to documents.
+
+    run = dense_run(HFEncoder.load("models/retromae/encoder"), blocks, queries, tokenizer, k=100)
+
+Blocks are the tokenize stage's retrieval blocks (no special tokens; see docs/contracts.md).
+A document's score is the best score of its blocks (MaxP), so block packing never decides which
+document wins.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from components.index.faiss_index import BlockIndex
+from components.index.refresh import embed_blocks
+
+EncodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids (B, L), mask (B, L)) -> (B, d)
+
+
+def add_specials(seqs: list[list[int]], cls_id: int, sep_id: int, pad_id: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[CLS] seq [SEP] + right padding, truncated to max_len. Returns ids (B, L), mask (B, L)."""
+    body = max_len - 2
+    rows = [[cls_id, *list(s)[:body], sep_id] for s in seqs]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+class HFEncoder:
+    """An HF encoder folder used as a retriever tower: last-layer [CLS] vector (RetroMAE's pooling)."""
+
+    def __init__(self, model, device: str = "cpu"):
+        self.model = model.to(device).eval()
+        self.device = device
+
+    @classmethod
+    def load(cls, folder: str | Path, device: str = "cpu") -> "HFEncoder":
+        from transformers import AutoModel
+
+        return cls(AutoModel.from_pretrained(str(folder)), device)
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+        return out.last_hidden_state[:, 0]  # (B, H)
+
+
+def encode_token_rows(encode: EncodeFn, rows: list[list[int]], tokenizer, max_len: int, batch_size: int, desc: str) -> tuple[np.ndarray, dict]:
+    def collate(batch_rows):
+        return add_specials(batch_rows, tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, max_len)
+
+    return embed_blocks(lambda b: encode(*b), rows, batch_size, collate, progress=False, desc=desc)
+
+
+def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+
+
+def block_index(encode_passage: EncodeFn, blocks, tokenizer, passage_len: int, batch_size: int) -> tuple[BlockIndex, dict]:
+    """Embed every retrieval block and build a flat inner-product index over them."""
+    emb, stats = encode_token_rows(encode_passage, list(blocks["input_ids"]), tokenizer, passage_len, batch_size, "embed blocks")
+    return BlockIndex.build(emb, list(blocks["block_id"]), "flat", use_gpu="auto"), stats
+
+
+def search_docs(index: BlockIndex, query_vecs: np.ndarray, qids: list[str], block_doc: dict[str, str], k: int) -> dict[str, dict[str, float]]:
+    """Top blocks per query -> {qid: {doc_id: best block score}} with up to k documents."""
+    scores, rows = index.search(query_vecs, min(len(index), 4 * k))  # (Q, k'), blocks of one doc collapse below
+    ids = index.ids_for(rows)
+    run: dict[str, dict[str, float]] = {}
+    for qi, qid in enumerate(qids):
+        docs: dict[str, float] = {}
+        for bid, s in zip(ids[qi], scores[qi]):
+            if not bid or not np.isfinite(s):
+                continue
+            d = block_doc[str(bid)]
+            if d not in docs:  # results are sorted: the first block of a doc is its best
+                docs[d] = float(s)
+                if len(docs) == k:
+                    break
+        run[qid] = docs
+    return run
+
+
+def dense_run(encode_query: EncodeFn, encode_passage: EncodeFn, blocks, queries: dict[str, str], tokenizer, *,
+              k: int, query_len: int, passage_len: int, batch_size: int, index: BlockIndex | None = None) -> tuple[dict, dict]:
+    """Retrieve for every query. Pass `index` to search a prebuilt (e.g. stale REALM) index."""
+    stats: dict = {}
+    if index is None:
+        index, stats = block_index(encode_passage, blocks, tokenizer, passage_len, batch_size)
+    qids = list(queries)
+    q_vecs, _ = encode_token_rows(encode_query, tokenize_texts(tokenizer, [queries[q] for q in qids]), tokenizer, query_len, batch_size, "embed queries")
+    block_doc = dict(zip(blocks["block_id"], blocks["doc_id"]))
+    return search_docs(index, q_vecs, qids, block_doc, k), stats
