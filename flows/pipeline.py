@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from components.config import PARAMS_FILE, apply_overrides, load_params
 from components.io import write_text_atomic
@@ -58,7 +59,7 @@ def apply_param_overrides(overrides: dict | None, path: str = PARAMS_FILE) -> bo
     return True
 
 
-@task(name="dvc-repro-stage")
+@task(cache_policy=NO_CACHE, name="dvc-repro-stage")
 def repro_stage(stage: str, force: bool = False) -> str:
     logger = get_run_logger()
     cmd = ["dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
@@ -75,7 +76,7 @@ def repro_stage(stage: str, force: bool = False) -> str:
     return "skipped" if skipped else "ran"
 
 
-@task(name="dvc-push")
+@task(cache_policy=NO_CACHE, name="dvc-push")
 def dvc_push() -> None:
     subprocess.run(["dvc", "push"], check=True)
 

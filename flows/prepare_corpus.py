@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
 from components.data.errors import DataError
 from components.data.prepare import prepare_corpus
@@ -24,7 +25,7 @@ def _retry_io_only(task, task_run, state) -> bool:
     return False
 
 
-@task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_io_only)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_io_only)
 def read_clean_write(data_params, out_dir: str) -> dict:
     return prepare_corpus(data_params, out_dir)
 

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
 from components.data.tokenize import tokenize_corpus
 from components.tracking import StageRun
 from flows._runtime import CORPUS, TOKENS, params_from_env, prefect_tags
 
 
-@task
+@task(cache_policy=NO_CACHE)
 def tokenize_and_pack(tok_params, corpus_dir: str, out_dir: str) -> dict:
     return tokenize_corpus(tok_params, corpus_dir, out_dir)
 

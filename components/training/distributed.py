@@ -133,9 +133,12 @@ def torchrun_command(
     """`python -m torch.distributed.run --standalone --nproc_per_node=N (-m module | script.py) args...`.
 
     A path (ends in .py or contains a path separator) is run as a script, anything else as a module.
+    torchrun's argparse scans the script's args too: an option that abbreviates two or more of
+    torchrun's own (`--log`, `--max`) makes it exit with "ambiguous option", so that is refused here.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1 (got {nproc})")
+    _check_script_args(args)
     is_script = module_or_script.endswith(".py") or os.sep in module_or_script or "/" in module_or_script
     target = [module_or_script] if is_script else ["-m", module_or_script]
     return [
@@ -143,6 +146,22 @@ def torchrun_command(
         "--standalone", f"--nproc_per_node={nproc}",
         *target, *map(str, args),
     ]  # fmt: skip
+
+
+def _check_script_args(args: Sequence[str]) -> None:
+    from torch.distributed.run import get_args_parser
+
+    ours = [o for a in get_args_parser()._actions for o in a.option_strings if o.startswith("--")]
+    for arg in map(str, args):
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--") or name in ours:
+            continue
+        clash = [o for o in ours if o.startswith(name)]
+        if len(clash) > 1:
+            raise ValueError(
+                f"script option {name!r} abbreviates torchrun options {clash}; torchrun would reject it "
+                "as ambiguous. Rename the script option (e.g. a longer, unique name)."
+            )
 
 
 def run_streaming(

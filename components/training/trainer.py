@@ -7,8 +7,10 @@
     # N processes: python -m torch.distributed.run --standalone --nproc_per_node=2 -m <stage module>
 
 Contract with the model: `model(batch)` takes the collated dict (tensors moved to the device) and
-returns a dict of scalar tensors with `loss` and optionally `num_tokens` (used for tokens/s). Every
-other scalar is logged as a metric, averaged over accumulation micro-batches, logged steps and ranks.
+returns a dict of scalar tensors with `loss` and optionally `num_tokens` (used for tokens/s; without
+it the batch's `attention_mask` sum is used, else tokens/s is not logged). Every other scalar is
+logged as a metric, averaged over accumulation micro-batches, the steps since the last log and ranks.
+Metric keys must be the same on every rank (they are all-reduced as one vector).
 
 Contract with the data: `dataset` is map-style (`len`, `[i]`: a list or an HF `datasets.Dataset`).
 `collate_fn(rows)` or `collate_fn(rows, generator=...)`: when the signature has a parameter named
@@ -173,7 +175,7 @@ class StepSampler:
 
     def __init__(self, num_rows: int, batch_size: int, world_size: int, rank: int, grad_accum: int, seed: int):
         if num_rows < batch_size:
-            raise ValueError(f"dataset has {num_rows} rows, fewer than one global batch ({batch_size})")
+            raise ValueError(f"dataset has {num_rows} rows, fewer than one global batch (batch_size={batch_size})")
         self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
         self.rank, self.grad_accum = rank, grad_accum
         self.per_rank = batch_size // world_size
@@ -533,7 +535,7 @@ class Trainer:
         rng = ckpt.load_rng(path, self.rank)
         if rng is not None:
             ckpt.set_rng_state(rng)
-        elif self.is_rank0:
+        else:
             warnings.warn(f"{path}: no RNG state for rank {self.rank} (world size changed?); dropout will differ",
                           ckpt.CheckpointWarning, stacklevel=2)  # fmt: skip
         self.step = int(state["step"])

@@ -1,9 +1,9 @@
 """A tiny masked-LM trained by the shared Trainer: the subprocess side of the kill and DDP tests.
 
-    OMP_NUM_THREADS=1 python -m tests.scripts.tiny_train --out /tmp/run --log /tmp/run/loss.jsonl
+    OMP_NUM_THREADS=1 python -m tests.scripts.tiny_train --out /tmp/run --log-file /tmp/run/loss.jsonl
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.scripts.tiny_train --out ... --mask fixed
 
-Writes one JSON line per logged step ({"step", "loss", ...}) to --log (rank 0), and the
+Writes one JSON line per logged step ({"step", "loss", ...}) to --log-file (rank 0), and the
 TrainResult to <out>/result.json.
 """
 
@@ -30,7 +30,10 @@ class TinyLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(max_len, hidden)
-        self.block = nn.TransformerEncoderLayer(hidden, 2, 64, dropout=dropout, batch_first=True)
+        # bias=False: an attention key bias has an exactly-zero true gradient (softmax ignores a
+        # constant shift), so Adam turns float noise there into full-size steps and DDP-vs-single
+        # comparisons would fail for reasons that are not the trainer's.
+        self.block = nn.TransformerEncoderLayer(hidden, 2, 64, dropout=dropout, batch_first=True, bias=False)
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab)
         nn.init.normal_(self.emb.weight, std=0.02)
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--log", default=None)
+    ap.add_argument("--log-file", default=None)
     ap.add_argument("--max-steps", type=int, default=20)
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     train = TrainParams(batch_size=a.batch_size, grad_accum=a.grad_accum, lr=3e-3, max_steps=a.max_steps,
                         checkpoint_every=a.checkpoint_every, keep_checkpoints=2, warmup_ratio=0.2)
     compute = ComputeParams(device="cpu", seed=a.seed, num_threads=1)
-    log_file = open(a.log, "a") if a.log else None
+    log_file = open(a.log_file, "a") if a.log_file else None
 
     def log_fn(metrics: dict, step: int) -> None:
         if log_file:

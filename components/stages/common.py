@@ -1,0 +1,72 @@
+"""What every training stage body shares: checkpoint folders keyed by what they were trained on,
+rank-0 MLflow logging (resumed through MLFLOW_RUN_ID under torchrun), and the torchrun entry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+from components.config import Params, load_params
+from components.io import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_ROOT = Path(os.environ.get("RR_CHECKPOINT_ROOT", "checkpoints"))
+
+
+def corpus_digest(corpus_dir: str | os.PathLike = "data/corpus") -> str:
+    card = Path(corpus_dir) / "data_card.json"
+    return json.loads(card.read_text())["digest"] if card.exists() else "none"
+
+
+def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: str | os.PathLike = "data/corpus") -> Path:
+    """`checkpoints/<stage>/<digest>`: a resume only ever continues a run with the same data and
+    params (changing either starts a fresh folder instead of resuming a stale run). `compute.nproc`
+    is left out on purpose: a run may resume on a different number of processes."""
+    compute = params.compute.model_dump(mode="json")
+    compute.pop("nproc", None)
+    blob = json.dumps({"params": params.section_digest(*sections, "data", "tokenize"), "compute": compute,
+                       "corpus": corpus_digest(corpus_dir)}, sort_keys=True)
+    return CHECKPOINT_ROOT / stage / hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+class RankZeroLogger:
+    """`log_fn(metrics, step)` for the Trainer: logs only on rank 0, through a StageRun."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            self.run.log_metrics(metrics, step)
+
+
+def write_stage_metrics(path: str | os.PathLike, metrics: dict) -> None:
+    """The small JSON that `dvc metrics show` reads (declared `cache: false` in dvc.yaml)."""
+    write_json_atomic(path, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()})
+
+
+def torchrun_worker(stage: str, body: Callable[[Params, object], dict]) -> None:
+    """Entry point inside each torchrun process: rank 0 resumes the stage's MLflow run."""
+    from components.tracking import ENV_RUN, StageRun
+    from components.training import distributed as D
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    params = load_params(os.environ.get("RR_PARAMS", "params.yaml"))
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 and os.environ.get(ENV_RUN):
+        run = StageRun.resume(stage, params)
+        run.__enter__()
+        try:
+            body(params, run)
+        finally:
+            if run.metrics is not None:
+                run.metrics_lost = run.metrics.close()
+                run.metrics = None
+    else:
+        body(params, None)
+    D.cleanup()

@@ -1,0 +1,255 @@
+"""The shared trainer: schedule, accumulation, data order, logging, hooks, NaN handling, OOM message."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from components.config import ComputeParams, TrainParams
+from components.training import checkpoint as ckpt
+from components.training.trainer import (
+    MicroBatches,
+    NonFiniteLossError,
+    StepSampler,
+    Trainer,
+    lr_at,
+    micro_batch_size,
+    param_groups,
+)
+from tests.scripts.tiny_train import TinyLM, fixed_mask_collate, make_rows, random_mask_collate
+
+CPU = ComputeParams(device="cpu", seed=1234)
+
+
+def tp(**kw) -> TrainParams:
+    base = dict(batch_size=8, lr=3e-3, max_steps=6, warmup_ratio=0.2, checkpoint_every=100, keep_checkpoints=2)
+    return TrainParams(**{**base, **kw})
+
+
+def make_trainer(tmp_path, model=None, collate=fixed_mask_collate, rows=None, **kw):
+    log = kw.pop("log", None)
+    hooks = kw.pop("hooks", None)
+    log_every = kw.pop("log_every", 1)
+    torch.manual_seed(0)
+    model = model if model is not None else TinyLM(dropout=0.0)
+    return Trainer(model, rows or make_rows(), collate, tp(**kw), CPU, tmp_path, log_fn=log, hooks=hooks,
+                   log_every=log_every, progress=False)  # fmt: skip
+
+
+class NaNAt(nn.Module):
+    """Wraps a model; its loss is NaN on the given 1-based forward calls, or from `from_call` on."""
+
+    def __init__(self, inner: nn.Module, calls=(), from_call: int | None = None):
+        super().__init__()
+        self.inner, self.bad, self.from_call, self.calls = inner, set(calls), from_call, 0
+
+    def forward(self, batch):
+        out = self.inner(batch)
+        self.calls += 1
+        if self.calls in self.bad or (self.from_call is not None and self.calls >= self.from_call):
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------------------
+def test_lr_schedule_warmup_then_linear_decay():
+    t = TrainParams(lr=1e-3, max_steps=10, warmup_ratio=0.2)  # warmup: 2 steps
+    lrs = [lr_at(s, t) for s in range(10)]
+    assert lrs[0] == pytest.approx(0.5e-3) and lrs[1] == pytest.approx(1e-3)
+    assert lrs[2] == pytest.approx(1e-3)  # peak, then linear decay
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lrs[9] == pytest.approx(1e-3 / 8) and lrs[9] > 0  # no step is wasted at lr 0
+    assert lr_at(0, TrainParams(lr=1e-3, max_steps=4, warmup_ratio=0.0)) == pytest.approx(1e-3)
+
+
+def test_batch_size_must_divide_by_world_and_accum(tmp_path):
+    assert micro_batch_size(tp(batch_size=16, grad_accum=2), world_size=2) == 4
+    with pytest.raises(ValueError, match=r"train\.batch_size=10.*grad_accum \(3\)"):
+        make_trainer(tmp_path, batch_size=10, grad_accum=3)
+    with pytest.raises(ValueError, match=r"retromae\.train\.batch_size=6"):
+        micro_batch_size(tp(batch_size=6, grad_accum=4), 1, prefix="retromae.train")
+
+
+def test_no_weight_decay_on_bias_and_layernorm_tied_listed_once():
+    model = TinyLM()
+    decay, no_decay = param_groups(model, 0.01)
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    assert id(model.emb.weight) in ids(decay["params"]) and id(model.head.bias) in ids(no_decay["params"])
+    assert id(model.norm.weight) in ids(no_decay["params"]) and id(model.norm.bias) in ids(no_decay["params"])
+    assert no_decay["weight_decay"] == 0.0
+    all_params = decay["params"] + no_decay["params"]
+    assert len(all_params) == len(ids(all_params)) == len(list(model.parameters()))  # tie counted once
+
+
+def test_grad_accumulation_equals_full_batch(tmp_path):
+    full = make_trainer(tmp_path / "a", batch_size=8, grad_accum=1)
+    accum = make_trainer(tmp_path / "b", batch_size=8, grad_accum=2)  # 2 micro-batches of 4
+    assert accum.micro_batch == 4
+    full.fit(), accum.fit()
+    pa, pb = params_of(full.raw_model), params_of(accum.raw_model)
+    start = params_of(TinyLM(dropout=0.0))  # guard: training moved the weights at all
+    assert max((pa[k] - start[k]).abs().max() for k in pa) > 1e-3
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=0)
+
+
+def test_data_order_is_an_epoch_permutation_sharded_by_rank():
+    one = StepSampler(40, batch_size=8, world_size=1, rank=0, grad_accum=1, seed=5)
+    ranks = [StepSampler(40, 8, world_size=2, rank=r, grad_accum=2, seed=5) for r in (0, 1)]
+    for step in range(5):  # one epoch: every row once
+        split = [i for s in ranks for m in range(2) for i in s.indices(step, m)]
+        assert split == one.indices(step, 0)
+    epoch0 = [i for step in range(5) for i in one.indices(step, 0)]
+    assert sorted(epoch0) == list(range(40))
+    epoch1 = [i for step in range(5, 10) for i in one.indices(step, 0)]
+    assert sorted(epoch1) == list(range(40)) and epoch1 != epoch0
+    assert StepSampler(40, 8, 1, 0, 1, seed=6).indices(0, 0) != one.indices(0, 0)
+
+
+def test_collate_generator_is_per_step_and_reproducible():
+    rows = make_rows(32)
+    sampler = StepSampler(32, 8, 1, 0, 2, seed=3)
+    a = MicroBatches(rows, random_mask_collate, sampler, start_step=0, max_steps=4, seed=3)
+    b = MicroBatches(rows, random_mask_collate, sampler, start_step=2, max_steps=4, seed=3)  # "resumed" at 2
+    assert a.with_generator and len(a) == 8 and len(b) == 4
+    for i in range(4):
+        torch.testing.assert_close(a[4 + i]["labels"], b[i]["labels"])
+    assert not torch.equal(a[0]["labels"], a[2]["labels"])  # different steps, different masks
+
+    def hf_style(rows, return_tensors=None):  # a second positional arg is NOT a generator
+        assert return_tensors is None
+        return fixed_mask_collate(rows)
+
+    assert not MicroBatches(rows, hf_style, sampler, 0, 1, 3).with_generator
+    MicroBatches(rows, hf_style, sampler, 0, 1, 3)[0]
+
+
+def test_logging_metrics_and_log_every(tmp_path):
+    logged: list[tuple[int, dict]] = []
+    losses: list[float] = []
+
+    class Recording(TinyLM):
+        def forward(self, batch):
+            out = super().forward(batch)
+            losses.append(out["loss"].item())
+            return out
+
+    torch.manual_seed(0)
+    t = make_trainer(tmp_path, model=Recording(dropout=0.0), max_steps=5, grad_accum=2, log_every=2,
+                     log=lambda m, s: logged.append((s, m)))  # fmt: skip
+    result = t.fit()
+    assert [s for s, _ in logged] == [2, 4, 5]  # every 2 steps, and the final step
+    m = logged[0][1]
+    assert {"loss", "acc", "grad_norm", "lr", "tokens_per_s", "samples_per_s", "bad_steps"} <= set(m)
+    assert "num_tokens" not in m
+    # steps 1-2 = forward calls 0..3; logged loss = their mean (accumulation and window averaged)
+    assert m["loss"] == pytest.approx(sum(losses[:4]) / 4, rel=1e-6)
+    assert logged[-1][1]["loss"] == pytest.approx(sum(losses[8:10]) / 2, rel=1e-6)
+    assert m["lr"] == pytest.approx(lr_at(1, t.train))
+    assert result.metrics == logged[-1][1] and result.step == 5 and result.bad_steps == 0
+
+
+def test_hooks_are_called(tmp_path):
+    calls = []
+    hooks = {
+        "on_train_start": lambda step, tr: calls.append(("start", step)),
+        "on_step_end": lambda step, tr: calls.append(("step", step, tr.step)),
+        "on_checkpoint": lambda step, path: calls.append(("ckpt", step, path.name, path.is_dir())),
+    }
+    make_trainer(tmp_path, max_steps=4, checkpoint_every=2, hooks=hooks).fit()
+    assert calls == [
+        ("start", 0), ("step", 1, 1), ("ckpt", 2, "step-000002", True), ("step", 2, 2),
+        ("step", 3, 3), ("ckpt", 4, "step-000004", True), ("step", 4, 4),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="unknown hook"):
+        make_trainer(tmp_path, hooks={"on_step_begin": print})
+
+
+def test_nan_steps_are_skipped_and_counted(tmp_path):
+    torch.manual_seed(0)
+    model = NaNAt(TinyLM(dropout=0.0), calls={3, 5})
+    snaps: dict[int, dict] = {}
+    logged = {}
+    t = make_trainer(tmp_path, model=model, max_steps=7, max_bad_steps=2,
+                     hooks={"on_step_end": lambda s, tr: snaps.__setitem__(s, params_of(tr.raw_model))},
+                     log=lambda m, s: logged.__setitem__(s, m))  # fmt: skip
+    result = t.fit()
+    assert result.step == 7 and result.bad_steps == 2
+    for bad in (3, 5):  # no update on a skipped step
+        assert all(torch.equal(snaps[bad][k], snaps[bad - 1][k]) for k in snaps[bad])
+    assert any(not torch.equal(snaps[4][k], snaps[3][k]) for k in snaps[4])  # good steps do update
+    assert "loss" not in logged[3] and logged[3]["bad_steps"] == 1.0
+    assert all(math.isfinite(v) for m in logged.values() for v in m.values())
+    assert all(math.isfinite(v.abs().max()) for v in snaps[7].values())
+
+
+def test_consecutive_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = NaNAt(TinyLM(dropout=0.0), from_call=7)  # steps 7.. are bad
+    t = make_trainer(tmp_path, model=model, max_steps=20, checkpoint_every=5, max_bad_steps=3)
+    with pytest.raises(NonFiniteLossError, match=r"3 consecutive.*max_bad_steps=3.*step-000005"):
+        t.fit()
+    root = tmp_path / "checkpoints"
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [5]
+    ckpt.verify_checkpoint(root / "step-000005")
+    assert not list(root.glob(".tmp-*"))
+    # the last good weights are usable
+    fresh = NaNAt(TinyLM(dropout=0.0))
+    ckpt.load_model_weights(root / "step-000005", fresh)
+    assert all(torch.isfinite(p).all() for p in fresh.parameters())
+
+
+def test_cuda_oom_is_reraised_with_advice(tmp_path):
+    class OOM(TinyLM):
+        def forward(self, batch):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    t = make_trainer(tmp_path, model=OOM(), grad_accum=2)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        t.fit()
+    msg = str(e.value)
+    for hint in ("train.grad_accum", "train.batch_size", "max_len", "compute.precision", "Tried to allocate"):
+        assert hint in msg
+
+
+def test_hf_dataset_rows_match_a_list():
+    datasets = pytest.importorskip("datasets")
+    rows = make_rows(32)
+    sampler = StepSampler(32, 8, 1, 0, 1, seed=3)
+    from_list = MicroBatches(rows, random_mask_collate, sampler, 0, 3, seed=3)
+    from_hf = MicroBatches(datasets.Dataset.from_list(rows), random_mask_collate, sampler, 0, 3, seed=3)
+    for i in range(3):
+        for k in ("input_ids", "labels"):
+            assert torch.equal(from_list[i][k], from_hf[i][k])
+
+
+def test_dataloader_workers_give_the_same_training(tmp_path):
+    a = make_trainer(tmp_path / "a", collate=random_mask_collate, max_steps=3)
+    b = make_trainer(tmp_path / "b", collate=random_mask_collate, max_steps=3, num_workers=1)
+    a.fit(), b.fit()
+    pa, pb = params_of(a.raw_model), params_of(b.raw_model)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_and_resumes(tmp_path, precision):
+    compute = ComputeParams(device="cpu", precision=precision)
+    train = tp(max_steps=4, checkpoint_every=2)
+    torch.manual_seed(0)
+    t = Trainer(TinyLM(dropout=0.0), make_rows(), fixed_mask_collate, train, compute, tmp_path, progress=False)
+    assert t.precision == precision and t.scaler.is_enabled() == (precision == "fp16")
+    result = t.fit()
+    assert result.step == 4 and math.isfinite(result.metrics["loss"])
+    state = ckpt.load_state(tmp_path / "checkpoints" / "step-000004")
+    assert bool(state["scaler"]) == (precision == "fp16")  # GradScaler state saved when used
+    again = Trainer(TinyLM(dropout=0.0), make_rows(), fixed_mask_collate, train, compute, tmp_path, progress=False)
+    assert again.fit().resumed_from == 4
+    if precision == "fp16":
+        assert again.scaler.get_scale() == t.scaler.get_scale()
