@@ -61,13 +61,13 @@ def index_bytes(index: faiss.Index) -> int:
     return int(faiss.serialize_index(index).size)
 
 
-def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator) -> dict:
+def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator, kinds: list[str]) -> dict:
     x = make_data(n, args.dim, args.data, rng)  # (N, d)
     q = make_data(args.queries, args.dim, args.data, rng)  # (Q, d)
     q_step = q[: args.step_batch]
     out: dict = {"n": n, "indexes": {}}
     exact = None
-    for kind in ("flat", "ivf", "hnsw"):
+    for kind in kinds:
         t0 = time.perf_counter()
         index = fi.build_index(x, kind, use_gpu=False)
         build_s = time.perf_counter() - t0
@@ -94,7 +94,7 @@ def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator) -> di
         )
         del index
     flat = out["indexes"]["flat"]
-    for kind in ("ivf", "hnsw"):
+    for kind in [k for k in kinds if k != "flat"]:
         ann = out["indexes"][kind]
         saved_ms = flat["search_ms_per_query"] - ann["search_ms_per_query"]
         # queries one index version must serve before the ANN build pays for itself
@@ -119,29 +119,58 @@ def sweep(index: faiss.Index, kind: str, q: np.ndarray, exact: np.ndarray, args:
 
 
 def recommend(results: list[dict], args: argparse.Namespace) -> dict:
-    """Where `auto` should stop using exact search.
+    """Where `auto` should stop using exact search, from the largest measured size.
 
-    During REALM an index version serves `refresh_every * batch` queries before it is rebuilt
-    (25 * 8 = 200 with params.yaml), so an ANN index must pay back its build within that many
-    queries (`break_even_queries`), and it costs recall. Flat only loses once its per-step
-    search latency itself becomes a problem. Rule: keep flat while a REALM step's exact search
-    stays under `--step-budget-ms`; flat latency is linear in N, so extrapolate from the
-    largest measured size and round down to a 1-2-5 step.
+    Flat has no build, so an index version costs only its searches. An ANN index is rebuilt at
+    every refresh and must pay its build back within the queries one version serves:
+    REALM: `refresh_every` steps of `step_batch` queries (25 x 8 = 200 with params.yaml);
+    dense eval: `eval_queries` queries against one index. Flat search time is linear in N;
+    IVF build time grows ~N^1.5 (k-means over N points with ~4 sqrt(N) centroids), search
+    time keeps its measured ratio to flat. Flat stays the choice at N while
+      (1) a REALM step's exact search <= `step_budget_ms` (training-step latency),
+      (2) flat's total per-version time <= max(IVF's, `slack_s`) for REALM, and (3) for dense eval
+    (an approximate index must save at least `slack_s` per version to be worth its lost recall).
+    The recommendation is the largest 1-2-5 size up to 10M where all three hold.
     """
-    largest = max(results, key=lambda r: r["n"])
-    ms_per_block = largest["indexes"]["flat"]["step_search_ms"] / largest["n"]
-    n_budget = args.step_budget_ms / ms_per_block
-    nice = max(v for v in _nice_numbers() if v <= max(n_budget, 1_000))
+    with_ivf = [r for r in results if "ivf" in r["indexes"]]
+    big = max(results, key=lambda r: r["n"])
+    big_ivf = max(with_ivf, key=lambda r: r["n"]) if with_ivf else None
+    flat = big["indexes"]["flat"]
+    step_ms_per_block = flat["step_search_ms"] / big["n"]
+    q_ms_per_block = flat["search_ms_per_query"] / big["n"]
     queries_per_version = args.refresh_every * args.step_batch
-    hnsw_pays_back = {
-        r["n"]: (r["indexes"]["hnsw"]["break_even_queries"] or float("inf")) <= queries_per_version for r in results
-    }
+    table = []
+    for n in [v for v in _nice_numbers() if 10_000 <= v <= 10_000_000]:
+        flat_step_ms = step_ms_per_block * n
+        realm_flat_s = args.refresh_every * flat_step_ms / 1000
+        eval_flat_s = args.eval_queries * q_ms_per_block * n / 1000
+        row = {"n": n, "flat_step_ms": flat_step_ms, "realm_flat_s": realm_flat_s, "eval_flat_s": eval_flat_s}
+        ok = flat_step_ms <= args.step_budget_ms
+        if big_ivf is not None:
+            ivf, bflat = big_ivf["indexes"]["ivf"], big_ivf["indexes"]["flat"]
+            build_s = ivf["build_s"] * (n / big_ivf["n"]) ** 1.5
+            row["ivf_build_s"] = build_s
+            row["realm_ivf_s"] = build_s + realm_flat_s * ivf["step_search_ms"] / bflat["step_search_ms"]
+            row["eval_ivf_s"] = build_s + eval_flat_s * ivf["search_ms_per_query"] / bflat["search_ms_per_query"]
+            ok = ok and realm_flat_s <= max(row["realm_ivf_s"], args.slack_s)
+            ok = ok and eval_flat_s <= max(row["eval_ivf_s"], args.slack_s)
+        row["flat_preferred"] = ok
+        table.append(row)
+    best = 10_000
+    for row in table:  # largest size such that flat is preferred at it and every size below
+        if not row["flat_preferred"]:
+            break
+        best = row["n"]
     return {
-        "index_auto_flat_max": int(nice),
-        "flat_step_ms_per_1M_blocks": ms_per_block * 1e6,
+        "index_auto_flat_max": best,
+        "flat_step_ms_per_1M_blocks": step_ms_per_block * 1e6,
+        "flat_ms_per_query_per_1M_blocks": q_ms_per_block * 1e6,
         "step_budget_ms": args.step_budget_ms,
-        "queries_per_index_version": queries_per_version,
-        "hnsw_pays_back_within_one_refresh": hnsw_pays_back,
+        "slack_s": args.slack_s,
+        "realm_queries_per_index_version": queries_per_version,
+        "eval_queries": args.eval_queries,
+        "extrapolated_from_n": {"flat": big["n"], "ivf": big_ivf["n"] if big_ivf else None},
+        "table": table,
     }
 
 
@@ -157,7 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--step-batch", type=int, default=8, help="queries per REALM step (realm.train.batch_size)")
     ap.add_argument("--refresh-every", type=int, default=25, help="realm.refresh_every")
-    ap.add_argument("--step-budget-ms", type=float, default=50.0, help="max exact-search ms per REALM step")
+    ap.add_argument("--step-budget-ms", type=float, default=200.0, help="max exact-search ms per REALM step")
+    ap.add_argument("--slack-s", type=float, default=30.0, help="seconds per index version an ANN must save")
+    ap.add_argument("--eval-queries", type=int, default=5000, help="queries a dense-eval index serves")
+    ap.add_argument("--big-kinds", nargs="+", default=["flat", "ivf"], choices=["flat", "ivf", "hnsw"],
+                    help="indexes built at 1M (HNSW-1M takes ~15+ min on 2 cores)")
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--data", choices=["gaussian", "clustered"], default="gaussian")
     ap.add_argument("--sweep", action="store_true", help="nprobe / efSearch sweeps")
@@ -179,7 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"faiss {env['faiss']}, {env['omp_threads']} threads, dim {args.dim}, {args.data} data, "
           f"{args.queries} queries, k={args.k}", flush=True)
-    results = [bench_size(n, args, rng) for n in sizes]
+    kinds = ["flat", "ivf", "hnsw"]
+    results = [bench_size(n, args, rng, kinds if n < 1_000_000 else ["flat"] + [k for k in args.big_kinds if k != "flat"])
+               for n in sizes]
     rec = recommend(results, args)
 
     print(f"\n{'N':>9} {'index':<5} {'build s':>9} {'ms/query':>9} {'step ms':>9} {f'R@{args.k}':>6} {'break-even q':>13}")
@@ -189,7 +224,13 @@ def main(argv: list[str] | None = None) -> dict:
             be_s = "-" if kind == "flat" else ("never" if be is None else f"{be:,.0f}")
             print(f"{r['n']:>9,} {kind:<5} {row['build_s']:>9.2f} {row['search_ms_per_query']:>9.4f} "
                   f"{row['step_search_ms']:>9.2f} {row[f'recall@{args.k}']:>6.3f} {be_s:>13}")
-    print(f"\nrecommend realm.index_auto_flat_max = {rec['index_auto_flat_max']:,} "
+    print(f"\n{'N':>10} {'flat step ms':>12} {'REALM flat s':>12} {'REALM ivf s':>11} {'eval flat s':>11} {'eval ivf s':>10}  flat?")
+    for row in rec["table"]:
+        print(f"{row['n']:>10,} {row['flat_step_ms']:>12.1f} {row['realm_flat_s']:>12.1f} {row.get('realm_ivf_s', float('nan')):>11.1f} "
+              f"{row['eval_flat_s']:>11.1f} {row.get('eval_ivf_s', float('nan')):>10.1f}  {row['flat_preferred']}")
+    print(f"(per index version: REALM = {args.refresh_every} steps x {args.step_batch} queries, eval = {args.eval_queries} queries; "
+          f"sizes above the measured ones are extrapolated)")
+    print(f"recommend realm.index_auto_flat_max = {rec['index_auto_flat_max']:,} "
           f"(flat step search ~{rec['flat_step_ms_per_1M_blocks']:.0f} ms per 1M blocks at B={args.step_batch}; "
           f"budget {args.step_budget_ms:.0f} ms)")
 

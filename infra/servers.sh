@@ -80,15 +80,19 @@ spawn() {  # PIDFILE LOG CMD... : start CMD in a new session; its pid is also it
   echo $! >"$pidfile"
 }
 
-stop_group() {  # NAME PIDFILE
-  local name=$1 pidfile=$2 pgid i
+stop_group() {  # NAME PIDFILE [GRACE_S]: TERM, after GRACE a 2nd TERM, 2 s later KILL, all to the group
+  local name=$1 pidfile=$2 grace=${3:-$STOP_TIMEOUT} pgid i
   if ! alive "$pidfile"; then rm -f "$pidfile"; say "$name: not running"; return 0; fi
   pgid=$(cat "$pidfile")
   kill -TERM -- "-$pgid" 2>/dev/null || true
-  for ((i = 0; i < STOP_TIMEOUT * 10; i++)); do alive "$pidfile" || break; sleep 0.1; done
+  for ((i = 0; i < grace * 10; i++)); do alive "$pidfile" || break; sleep 0.1; done
+  if alive "$pidfile"; then  # Prefect's CLIs treat a second TERM as "stop now"
+    kill -TERM -- "-$pgid" 2>/dev/null || true
+    for ((i = 0; i < 20; i++)); do alive "$pidfile" || break; sleep 0.1; done
+  fi
   if alive "$pidfile"; then
     kill -KILL -- "-$pgid" 2>/dev/null || true
-    say "$name: process group $pgid did not stop within ${STOP_TIMEOUT}s, killed"
+    say "$name: process group $pgid ignored TERM for $((grace + 2))s, killed"
   else
     say "$name: stopped (process group $pgid)"
   fi
@@ -152,7 +156,7 @@ down_s3() {
 # mlflow
 # ---------------------------------------------------------------------------------------------
 up_mlflow() {
-  up_s3
+  alive "$STATE/s3/pid" || up_s3
   local dir=$STATE/mlflow port=${RR_MLFLOW_PORT:-5000} t0=$SECONDS
   start_checks mlflow "$dir" "$port" || return 0
   load_env
@@ -199,7 +203,8 @@ up_prefect() {
   fi
   if alive "$dir/worker.pid"; then say "prefect: worker already running (pid $(cat "$dir/worker.pid"))"; return 0; fi
   # The worker's environment is what flow runs inherit: MLflow, S3 and Prefect URLs from env.sh.
-  local i before; before=$(cat "$dir/worker.log" 2>/dev/null | wc -l)
+  local i before=0
+  [ -f "$dir/worker.log" ] && before=$(wc -l <"$dir/worker.log")
   (cd "$REPO" && spawn "$dir/worker.pid" "$dir/worker.log" "$bin" worker start \
     --pool "$POOL" --type process --name "retro-realm-local-$(hostname -s 2>/dev/null || echo worker)")
   for ((i = 0; i < 300; i++)); do  # ~60 s
@@ -207,12 +212,15 @@ up_prefect() {
     alive "$dir/worker.pid" || { tail -n 30 "$dir/worker.log" >&2; die "prefect worker exited (log $dir/worker.log)"; }
     sleep 0.2
   done
+  ((i < 300)) || say "prefect: worker not reported as started after 60 s; see $dir/worker.log"
   say "prefect: worker polling pool $POOL  (pid $(cat "$dir/worker.pid"), log $dir/worker.log)"
 }
 
 down_prefect() {
-  # Worker first: with the API gone it retries its heartbeat instead of exiting on TERM.
-  stop_group prefect-worker "$STATE/prefect/worker.pid"
+  # Worker first, so it can deregister. Prefect 3.9's worker does not exit on the first TERM/INT
+  # (it means "finish in-flight runs"; it then idles), the second TERM kills it: a short grace.
+  # Flow runs it launched live in their own sessions (Prefect's design) and are not stopped here.
+  stop_group prefect-worker "$STATE/prefect/worker.pid" 3
   stop_group prefect "$STATE/prefect/pid"
 }
 

@@ -23,6 +23,13 @@ def _data(n=600, d=16, seed=0):
     return rng.standard_normal((n, d)).astype(np.float32)
 
 
+def _clustered(n=2000, d=16, seed=0):
+    """Points around sqrt(n) centres: the structure real embeddings have and ANN relies on."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((int(np.sqrt(n)), d)).astype(np.float32)
+    return centres[rng.integers(0, len(centres), n)] + 0.3 * rng.standard_normal((n, d)).astype(np.float32)
+
+
 def _ids(n, prefix="blk"):
     return [f"{prefix}-{i:05d}" for i in range(n)]
 
@@ -44,21 +51,21 @@ def test_flat_is_exact_inner_product():
 
 @pytest.mark.parametrize("kind", ["ivf", "hnsw"])
 def test_approximate_indexes_use_inner_product_and_find_most_neighbours(kind):
-    x = _data(2000, 16)
-    q = _data(20, 16, seed=3)
+    x = _clustered(2000, 16)
+    q = _clustered(20, 16, seed=3)
     exact = BlockIndex.build(x, None, "flat").search(q, 10)[1]
     bi = BlockIndex.build(x, None, kind)
     assert bi.index_type == kind
     assert bi.index.metric_type == fi.faiss.METRIC_INNER_PRODUCT
     rows = bi.search(q, 10)[1]
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows, exact)])
-    assert recall > 0.8, recall
+    assert recall > 0.9, recall
 
 
 def test_auto_switches_on_corpus_size_and_ivf_nlist():
     assert fi.resolve_index_type(100, "auto", auto_flat_max=100) == "flat"
-    assert fi.resolve_index_type(101, "auto", auto_flat_max=100) == "hnsw"
-    assert BlockIndex.build(_data(300), None, "auto", auto_flat_max=200).index_type == "hnsw"
+    assert fi.resolve_index_type(101, "auto", auto_flat_max=100) == "ivf"
+    assert BlockIndex.build(_data(300), None, "auto", auto_flat_max=200).index_type == "ivf"
     assert BlockIndex.build(_data(300), None, "auto", auto_flat_max=300).index_type == "flat"
     with pytest.raises(ValueError):
         fi.resolve_index_type(10, "lsh")  # type: ignore[arg-type]

@@ -74,10 +74,14 @@ class IndexIntegrityError(ValueError):
 # building
 # ----------------------------------------------------------------------------------------------
 def resolve_index_type(n: int, index_type: IndexType, auto_flat_max: int = DEFAULT_AUTO_FLAT_MAX) -> str:
-    """`auto` -> exact `flat` up to `auto_flat_max` blocks, `hnsw` above (no training pass, and
-    a refresh rebuilds the index anyway, so IVF's k-means would be paid on every refresh)."""
+    """`auto` -> exact `flat` up to `auto_flat_max` blocks, `ivf` above.
+
+    Why IVF over HNSW (bench/bench_index.py, 100k x 128-d, inner product): IVF builds ~3x faster
+    (a refresh rebuilds the index, so build time is paid every `refresh_every` steps) and reaches
+    recall@10 ~1.0 on clustered data at nprobe = nlist/8, where HNSW-IP stays at ~0.6-0.75
+    (inner product is not a metric, which hurts HNSW's graph)."""
     if index_type == "auto":
-        return "flat" if n <= auto_flat_max else "hnsw"
+        return "flat" if n <= auto_flat_max else "ivf"
     if index_type not in ("flat", "ivf", "hnsw"):
         raise ValueError(f"index_type must be flat|ivf|hnsw|auto, got {index_type!r}")
     return index_type

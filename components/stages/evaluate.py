@@ -10,7 +10,7 @@ Rows per evaluation set (the pipeline's own test split, plus `evaluate.extra_set
   finetuned         the DPR-fine-tuned bi-encoder (models/finetune/retriever)
   realm             REALM retriever with its final index
   realm-stale       REALM retriever against the first index version (never refreshed)
-  realm+reader      open-QA: REALM retriever + fine-tuned reader (EM/F1)
+  realm-reader      open-QA: REALM retriever + fine-tuned reader (EM/F1)
   closed-book       the reader with the null document only (EM/F1): what retrieval adds
 Outputs: metrics/eval.json (dvc metrics), metrics/eval/<set>/<system>.jsonl (per query),
 metrics/eval/results.{md,html} + PNGs, plots/recall_at_k.csv (dvc plots).
@@ -161,7 +161,7 @@ def qa_rows(params: Params, es: EvalSet, out_dir: Path) -> list[dict]:
     qa = load_open_qa(MODELS / "finetune", params)
     golds = {r["id"]: r["answers"] for r in es.qa}
     rows = []
-    for system, closed_book in (("realm+reader", False), ("closed-book", True)):
+    for system, closed_book in (("realm-reader", False), ("closed-book", True)):
         t0 = time.perf_counter()
         preds = qa.predict_all([(r["id"], r["question"]) for r in es.qa], closed_book=closed_book)
         m = qa_metrics(preds, golds)
