@@ -5,7 +5,6 @@ PY    := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export OMP_NUM_THREADS ?= 2
 export TOKENIZERS_PARALLELISM ?= false
-export HF_HUB_OFFLINE ?= 1
 
 .PHONY: help setup run test test-fast bench lock servers-up servers-down clean-outputs
 

@@ -6,7 +6,7 @@ to a folder first, and `up`/`start()` copy it back. A crash (SIGKILL) loses what
 last snapshot; use MinIO (`infra/compose.yaml`) when you need a store that survives crashes.
 
     python infra/s3_state.py wait     --endpoint http://127.0.0.1:9000 [--timeout 15]
-    python infra/s3_state.py init     --endpoint http://127.0.0.1:9000 --bucket retro-realm-dvc ...
+    python infra/s3_state.py init     --endpoint http://127.0.0.1:9000 --bucket retro-realm-dvc ... [--dir SNAPSHOT]
     python infra/s3_state.py snapshot --endpoint http://127.0.0.1:9000 --dir .servers/s3/snapshot
     python infra/s3_state.py restore  --endpoint http://127.0.0.1:9000 --dir .servers/s3/snapshot
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("action", choices=["wait", "init", "snapshot", "restore"])
     ap.add_argument("--endpoint", default=os.environ.get("AWS_ENDPOINT_URL", "http://127.0.0.1:9000"))
     ap.add_argument("--bucket", action="append", default=[], help="repeatable; init only")
-    ap.add_argument("--dir", help="snapshot folder (snapshot/restore)")
+    ap.add_argument("--dir", help="snapshot folder (snapshot/restore; init restores it first when given)")
     ap.add_argument("--timeout", type=float, default=15.0)
     a = ap.parse_args(argv)
     if a.action == "wait":
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     client = s3_client(a.endpoint)
     if a.action == "init":
+        if a.dir:
+            print(f"[s3] restore: {restore(client, a.dir)} objects <- {a.dir}")
         created = ensure_buckets(client, a.bucket or DEFAULT_BUCKETS)
         print(f"[s3] buckets {', '.join(a.bucket or DEFAULT_BUCKETS)} ready (created: {', '.join(created) or 'none'})")
     elif not a.dir:

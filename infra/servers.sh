@@ -137,8 +137,8 @@ up_s3() {
   load_env
   wait_http s3 "http://$CHOST:$port/moto-api/" "$dir/pid" "$dir/log"
   for b in "${BUCKETS[@]}"; do bargs+=(--bucket "$b"); done
-  "$PY" "$REPO/infra/s3_state.py" restore --endpoint "$AWS_ENDPOINT_URL" --dir "$dir/snapshot"
-  "$PY" "$REPO/infra/s3_state.py" init --endpoint "$AWS_ENDPOINT_URL" "${bargs[@]}"
+  # One Python call: restore the last snapshot (if any), then create the missing buckets.
+  "$PY" "$REPO/infra/s3_state.py" init --endpoint "$AWS_ENDPOINT_URL" --dir "$dir/snapshot" "${bargs[@]}"
   say "s3: moto listening on http://$CHOST:$port  (pid $(cat "$dir/pid"), up in $((SECONDS - t0))s, log $dir/log)"
 }
 
@@ -256,7 +256,7 @@ main() {
   mkdir -p "$STATE"
   case $cmd in
     up) for n in "${names[@]}"; do "up_$n"; done
-        [ "$what" = all ] && say 'ready: eval "$(infra/env.sh)" to use them' ;;
+        if [ "$what" = all ]; then say 'ready: eval "$(infra/env.sh)" to use them'; fi ;;
     down) # reverse order: nothing loses its backend while still running
         for ((i = ${#names[@]} - 1; i >= 0; i--)); do "down_${names[i]}"; done ;;
     status) for n in "${names[@]}"; do status_one "$n"; done ;;
