@@ -3,6 +3,7 @@
     python -m flows.pipeline                                   # the README's main job
     python -m flows.pipeline --set retromae.train.max_steps=200 --target pretrain_retromae
     prefect deployment run retro-realm/pipeline -p overrides='{"retromae.train.max_steps": 200}'
+    prefect deployment run retro-realm/tokenize                # one stage (prefect.yaml)
 
 DVC owns the DAG: each task runs `dvc repro --single-item <stage>`, so a stage whose params, code and
 inputs are unchanged is skipped by DVC itself, and `dvc.lock` stays true. The flow opens the
@@ -81,15 +82,23 @@ def dvc_push() -> None:
     subprocess.run(["dvc", "push"], check=True)
 
 
-@flow(name="pipeline", log_prints=True)
-def pipeline(overrides: dict | None = None, target: str | None = None, push: bool = False) -> dict[str, str]:
-    """Run the DAG; `target` reruns that stage (forced) and everything downstream of it."""
+@flow(name="retro-realm", log_prints=True)
+def pipeline(overrides: dict | None = None, target: str | None = None, only: str | None = None,
+             push: bool = False) -> dict[str, str]:
+    """Run the DAG.
+
+    overrides: dotted params written into params.yaml first (as `dvc exp run -S`).
+    target:    force this stage and rerun everything downstream of it.
+    only:      run just this stage (`dvc repro --single-item`): the per-stage deployments.
+    push:      `dvc push` after a successful run (remote workers).
+    """
     apply_param_overrides(overrides)
     params = load_params()
     order = dag_order()
-    if target and target not in order:
-        raise ValueError(f"unknown target stage {target!r}; stages: {order}")
-    stages = downstream_of(target, order) if target else order
+    for name in (target, only):
+        if name and name not in order:
+            raise ValueError(f"unknown stage {name!r}; stages: {order}")
+    stages = [only] if only else (downstream_of(target, order) if target else order)
     parent = open_parent_run(params, tags={"rr.overrides": json.dumps(overrides or {}), "rr.target": target or "", **prefect_tags()})
     os.environ[ENV_PARENT] = parent
     status = "FAILED"
@@ -121,10 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (repeatable), like dvc exp run -S")
     ap.add_argument("--target", choices=STAGES, help="rerun this stage and what depends on it")
+    ap.add_argument("--only", choices=STAGES, help="run just this stage (if stale)")
     ap.add_argument("--push", action="store_true", help="dvc push after a successful run")
     args = ap.parse_args(argv)
     with local_prefect_api():
-        pipeline(overrides=_parse_set(args.set) or None, target=args.target, push=args.push)
+        pipeline(overrides=_parse_set(args.set) or None, target=args.target, only=args.only, push=args.push)
 
 
 if __name__ == "__main__":
