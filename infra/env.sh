@@ -5,7 +5,7 @@
 #   source infra/env.sh         # bash/zsh: exports directly, prints nothing
 #   eval "$(infra/env.sh --unset)"   # back to embedded mode (moto's dummy keys are unset too)
 #
-# Ports are read from .servers/<name>/port when the server is up, else from RR_S3_PORT /
+# Ports are read from .servers/<name>/port (written by the last `up`), else from RR_S3_PORT /
 # RR_MLFLOW_PORT / RR_PREFECT_PORT (defaults 9000 / 5000 / 4200). Set RR_S3_ENDPOINT_URL to use an
 # external S3 or MinIO instead of the local moto server.
 #

@@ -20,11 +20,11 @@
 #   RR_MLFLOW_ARTIFACTS_DESTINATION=s3://$RR_MLFLOW_BUCKET/
 #   RR_MLFLOW_EXTRA_ARGS=       e.g. "--allowed-hosts myhost:5000" when RR_BIND_HOST is not loopback
 #   RR_PREFECT_POOL=retro-realm-process   RR_PREFECT_UI=true
-#   PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://USER@HOST:5432/prefect  (Prefect on Postgres)
+#   PREFECT_SERVER_DATABASE_{DRIVER=postgresql+asyncpg,HOST,PORT,USER,NAME,PASSWORD}  (Prefect on Postgres)
 #
 # Every server runs in its own session/process group (setsid) and `down` signals the group:
-# TERM, then KILL after RR_STOP_TIMEOUT. Killing only the top PID would orphan mlflow's uvicorn
-# child. moto keeps objects in memory, so `down s3` snapshots every bucket to .servers/s3/snapshot
+# TERM, a second TERM after RR_STOP_TIMEOUT, then KILL. Killing only the top PID would orphan
+# mlflow's uvicorn child. moto keeps objects in memory, so `down s3` snapshots every bucket to .servers/s3/snapshot
 # and `up s3` restores it (a crash loses changes since the last `down`).
 set -euo pipefail
 
@@ -80,12 +80,22 @@ spawn() {  # PIDFILE LOG CMD... : start CMD in a new session; its pid is also it
   echo $! >"$pidfile"
 }
 
-stop_group() {  # NAME PIDFILE [GRACE_S]: TERM, after GRACE a 2nd TERM, 2 s later KILL, all to the group
-  local name=$1 pidfile=$2 grace=${3:-$STOP_TIMEOUT} pgid i
+group_pids() {  # PGID -> live (non-zombie) members
+  ps -eo pid=,pgid=,stat= | awk -v g="$1" '$2 == g && $3 !~ /^Z/ {print $1}'
+}
+
+stop_group() {  # NAME PIDFILE [GRACE_S] [WRAPPER]: TERM, after GRACE a 2nd TERM, 2 s later KILL
+  # WRAPPER=1: the leader only forwards signals to its child server (`mlflow server` -> uvicorn);
+  # once the child has exited, the leader is killed instead of waiting out its ~3 s teardown.
+  local name=$1 pidfile=$2 grace=${3:-$STOP_TIMEOUT} wrapper=${4:-0} pgid i
   if ! alive "$pidfile"; then rm -f "$pidfile"; say "$name: not running"; return 0; fi
   pgid=$(cat "$pidfile")
   kill -TERM -- "-$pgid" 2>/dev/null || true
-  for ((i = 0; i < grace * 10; i++)); do alive "$pidfile" || break; sleep 0.1; done
+  for ((i = 0; i < grace * 10; i++)); do
+    alive "$pidfile" || break
+    if [ "$wrapper" = 1 ] && [ "$(group_pids "$pgid")" = "$pgid" ]; then kill -KILL -- "-$pgid" 2>/dev/null || true; fi
+    sleep 0.1
+  done
   if alive "$pidfile"; then  # Prefect's CLIs treat a second TERM as "stop now"
     kill -TERM -- "-$pgid" 2>/dev/null || true
     for ((i = 0; i < 20; i++)); do alive "$pidfile" || break; sleep 0.1; done
@@ -175,7 +185,7 @@ up_mlflow() {
   say "mlflow: listening on http://$CHOST:$port  (pid $(cat "$dir/pid"), up in $((SECONDS - t0))s, artifacts -> $dest, log $dir/log)"
 }
 
-down_mlflow() { stop_group mlflow "$STATE/mlflow/pid"; }
+down_mlflow() { stop_group mlflow "$STATE/mlflow/pid" "$STOP_TIMEOUT" 1; }
 
 # ---------------------------------------------------------------------------------------------
 # prefect (server, work pool, worker)

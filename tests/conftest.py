@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 # The real servers (S3, MLflow, Prefect), started on free loopback ports by session fixtures.
-pytest_plugins = ["tests.servers"] if (ROOT / "tests" / "servers.py").exists() else []  # TODO(lead): unconditional once servers.py lands
+pytest_plugins = ["tests.servers"]
 
 # Overrides that make the real params.yaml run in seconds.
 TINY = {
