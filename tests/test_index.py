@@ -69,6 +69,11 @@ def test_auto_switches_on_corpus_size_and_ivf_nlist():
     assert BlockIndex.build(_data(300), None, "auto", auto_flat_max=300).index_type == "flat"
     with pytest.raises(ValueError):
         fi.resolve_index_type(10, "lsh")  # type: ignore[arg-type]
+    # with GPUs, auto stays exact (sharded GPU flat) far beyond the CPU threshold
+    assert fi.resolve_index_type(5_000_000, "auto", auto_flat_max=100, gpu=True) == "flat"
+    assert fi.resolve_index_type(fi.GPU_FLAT_MAX + 1, "auto", auto_flat_max=100, gpu=True) == "ivf"
+    assert fi.resolve_index_type(5_000_000, "auto", auto_flat_max=100, gpu=False) == "ivf"
+    assert fi.resolve_index_type(5_000, "hnsw", gpu=True) == "hnsw"  # explicit types are kept
     assert fi.ivf_nlist(1_000_000) == 4000  # 4 sqrt(N)
     assert fi.ivf_nlist(10_000) == 256  # capped: >= 39 training points per list
     ivf = build_index(_data(2000), "ivf")

@@ -64,6 +64,7 @@ DEFAULT_AUTO_FLAT_MAX = 100_000
 DEFAULT_HNSW_M = 32
 DEFAULT_HNSW_EF_CONSTRUCTION = 100
 DEFAULT_HNSW_EF_SEARCH = 128
+GPU_FLAT_MAX = 50_000_000  # auto with GPUs: 50M x 128-d fp32 = 25 GiB, sharded over the GPUs
 
 
 class IndexIntegrityError(ValueError):
@@ -73,15 +74,22 @@ class IndexIntegrityError(ValueError):
 # ----------------------------------------------------------------------------------------------
 # building
 # ----------------------------------------------------------------------------------------------
-def resolve_index_type(n: int, index_type: IndexType, auto_flat_max: int = DEFAULT_AUTO_FLAT_MAX) -> str:
-    """`auto` -> exact `flat` up to `auto_flat_max` blocks, `ivf` above.
+def resolve_index_type(
+    n: int, index_type: IndexType, auto_flat_max: int = DEFAULT_AUTO_FLAT_MAX, *, gpu: bool | None = None
+) -> str:
+    """`auto` -> exact `flat` up to `auto_flat_max` blocks, `ivf` above; with GPUs (`gpu=None`:
+    faiss sees one) `flat` up to `GPU_FLAT_MAX`, since a sharded GPU flat search over millions of
+    blocks takes milliseconds (REALM itself used exact MIPS on accelerators).
 
-    Why IVF over HNSW (bench/bench_index.py, 100k x 128-d, inner product): IVF builds ~3x faster
-    (a refresh rebuilds the index, so build time is paid every `refresh_every` steps) and reaches
-    recall@10 ~1.0 on clustered data at nprobe = nlist/8, where HNSW-IP stays at ~0.6-0.75
-    (inner product is not a metric, which hurts HNSW's graph)."""
+    Why IVF over HNSW above the threshold (bench/bench_index.py, 100k x 128-d, inner product):
+    IVF builds ~20x faster (a refresh rebuilds the index, so build time is paid every
+    `refresh_every` steps) and reaches recall@10 ~1.0 on clustered data at nprobe = nlist/8, where
+    HNSW-IP stays at ~0.6-0.75 (inner product is not a metric, which hurts HNSW's graph).
+    """
     if index_type == "auto":
-        return "flat" if n <= auto_flat_max else "ivf"
+        if gpu is None:
+            gpu = gpu_count() > 0
+        return "flat" if n <= (max(auto_flat_max, GPU_FLAT_MAX) if gpu else auto_flat_max) else "ivf"
     if index_type not in ("flat", "ivf", "hnsw"):
         raise ValueError(f"index_type must be flat|ivf|hnsw|auto, got {index_type!r}")
     return index_type
@@ -164,7 +172,7 @@ def build_index(
     n, d = x.shape
     if n == 0:
         raise ValueError("cannot build an index over 0 embeddings")
-    kind = resolve_index_type(n, index_type, auto_flat_max)
+    kind = resolve_index_type(n, index_type, auto_flat_max, gpu=_want_gpu(use_gpu))
 
     if kind == "flat":
         index = faiss.IndexFlatIP(d)
