@@ -202,7 +202,7 @@ class RealmParams(_Section):
     refresh_every: int = Field(25, ge=0, description="optimiser steps between index refreshes; 0 = never")
     refresh_mode: Literal["async", "sync"] = "async"
     index_type: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
-    index_auto_flat_max: int = Field(100_000, ge=1, description="auto: flat up to this many blocks, then hnsw/ivf")
+    index_auto_flat_max: int = Field(1_000_000, ge=1, description="auto: flat up to this many blocks (CPU), then ivf; bench/bench_index.py measured the switch")
     embed_batch_size: int = Field(64, ge=1)
     staleness_probes: int = Field(64, ge=1)
     staleness_k: int = Field(5, ge=1)
