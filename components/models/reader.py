@@ -1,0 +1,492 @@
+"""Open-domain QA fine-tuning: a retriever + extractive reader (the ORQA / REALM recipe).
+
+    p(z | x)        = softmax_z( E_q(x) . e_z )          over the top-k blocks z of a FROZEN index
+    p(s | x, z)     = softmax_s( start(s_i) + end(s_j) )  over spans s = (i, j) of whole words of z,
+                                                          j - i < max_answer_tokens
+    p(y | x)        = sum_z p(z | x) sum_{s in z, text(s) ~ y} p(s | x, z)     (REALM eq. for open-QA)
+
+Pieces (paper names):
+
+* `retriever`: the query tower (a `BiEncoder`, or anything with `encode_query`). Retrieval of the
+  top k happens outside with the frozen block index; the batch carries the k block embeddings
+  e_z, and the model recomputes the scores E_q(x) . e_z, so the query tower gets gradients and the
+  block embeddings never do (ORQA: the evidence-block encoder is frozen, the question encoder trains).
+* `reader`: a BERT over `[CLS] x [SEP] z [SEP]` (token types 0 | 1) with start/end logits
+  (`SpanReader`, an HF *ForQuestionAnswering). Spans lie inside z only, are at most
+  `max_answer_tokens` tokens long and never cut a word (a WordPiece continuation piece neither
+  starts a span nor follows its end), the same candidates that `find_answer_spans` can mark correct.
+* `null_document`: an empty z, `[CLS] x [SEP] [SEP]`; it has no spans.
+
+Loss (per question; the batch loss is the mean over questions):
+    retrieval_loss = -log sum_{z in top-k, z contains a correct span} p(z | x)    (ORQA's early update)
+    reader_loss    = -log sum_z p(z | x) sum_{correct s in z} p(s | x, z)       (the marginal above)
+A correct span is any (i, j) whose text equals a gold answer after SQuAD normalisation
+(`find_answer_spans`), so blocks without one get zero weight in both sums. A question with no
+correct block (or span) anywhere gets 0 for that term, with finite values and zero gradients
+(no -inf enters a softmax: masked entries use a large finite negative).
+
+Inference: `predict(question, blocks, block_embeddings)` returns the span maximising
+log p(z | x) + log p(s | x, z) (best span score + retrieval score, both normalised as in training).
+
+Closed-book mode: `predict(question, [])` reads the question with the null document only. An
+extractive reader has nothing to extract there, so it always answers "" (EM 0): it is the floor
+that shows what retrieval adds (every correct answer of the open-book model comes from a
+retrieved block), not a closed-book QA model (that would need a generator, which this project
+does not train).
+
+Usage:
+    model = OpenQA(BiEncoder.from_pretrained("models/biencoder"), SpanReader.from_pretrained("models/retromae/encoder"))
+    collate = QACollator(tok, blocks, block_vecs, query_len=32, passage_len=80, top_k=5, max_answer_tokens=10)
+    out = model(collate(rows))             # rows: {question, answers, block_rows: [top-k block rows]}
+    model.predict("who founded Sesger?", [blocks[r] for r in rows], block_vecs[rows], collate)
+
+Shapes: B questions, K blocks per question, L reader length, A = max_answer_tokens, D embedding dim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from components.eval.metrics import normalize_answer
+from components.io import atomic_dir, write_json_atomic
+
+NULL_ROW = -1  # the null document (same convention as components/data/realm_batch.py)
+MISSING_ROW = -2  # an empty slot (fewer than K blocks): candidate_mask False
+_NEG = -1e30  # finite "minus infinity": all-masked rows stay finite, their gradients 0 (not NaN)
+OPENQA_CONFIG = "openqa_config.json"
+
+
+# ----------------------------------------------------------------------------------------------
+# gold answers -> token spans
+# ----------------------------------------------------------------------------------------------
+def _word_char(c: str) -> bool:
+    return c.isalnum()
+
+
+def word_boundaries(block_token_offsets: Sequence[Sequence[int]], block_text: str) -> tuple[list[bool], list[bool]]:
+    """(may_start, may_end) per token: a span may not cut a word, i.e. start or end inside a run of
+    letters/digits (a WordPiece continuation piece never starts a span, nor precedes its end)."""
+    starts, ends = [], []
+    for s, e in ((int(a), int(b)) for a, b in block_token_offsets):
+        starts.append(e > s and not (0 < s < len(block_text) and _word_char(block_text[s - 1]) and _word_char(block_text[s])))
+        ends.append(e > s and not (0 < e < len(block_text) and _word_char(block_text[e - 1]) and _word_char(block_text[e])))
+    return starts, ends
+
+
+def find_answer_spans(
+    block_token_offsets: Sequence[Sequence[int]], block_text: str, answers: Sequence[str], max_answer_tokens: int,
+) -> list[tuple[int, int]]:
+    """Every token span (start, end), inclusive, of at most `max_answer_tokens` tokens whose text
+    equals a gold answer after SQuAD normalisation (lowercase, no punctuation, no a/an/the,
+    collapsed whitespace), so "The Ardel River," matches "ardel river".
+
+    `block_token_offsets[t] = [char_start, char_end)` of token t in `block_text`. A span may not
+    cut a word (`word_boundaries`), so WordPiece pieces of a longer word never match ("kessa" is
+    not found in "Kessaville").
+    """
+    golds = {g for g in (normalize_answer(a) for a in answers) if g}
+    if not golds or not block_token_offsets:
+        return []
+    norm_text = normalize_answer(block_text)
+    if not any(g in norm_text for g in golds):  # necessary condition: skip the O(n*A) scan
+        return []
+    may_start, may_end = word_boundaries(block_token_offsets, block_text)
+    n, out = len(block_token_offsets), []
+    for i in range(n):
+        if not may_start[i]:
+            continue
+        s = int(block_token_offsets[i][0])
+        for j in range(i, min(n, i + max_answer_tokens)):
+            if may_end[j] and normalize_answer(block_text[s : int(block_token_offsets[j][1])]) in golds:
+                out.append((i, j))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# span scores
+# ----------------------------------------------------------------------------------------------
+def span_logits(start: torch.Tensor, end: torch.Tensor, start_mask: torch.Tensor, max_answer_tokens: int,
+                end_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Span scores (N, L, A): [n, i, w] = start[n, i] + end[n, i + w] for the span i..i+w, and
+    which of them are valid: i may start a span, i + w may end one (both masks are inside z, which
+    is contiguous, so the whole span is). start/end (N, L) float; start_mask/end_mask (N, L) bool
+    (`context_mask` for both = any z token; the collator's word-boundary masks = whole words)."""
+    A = max_answer_tokens
+    end_mask = start_mask if end_mask is None else end_mask
+    end_w = torch.nn.functional.pad(end.float(), (0, A - 1), value=_NEG).unfold(1, A, 1)  # (N, L, A) end[i + w]
+    end_ok = torch.nn.functional.pad(end_mask, (0, A - 1), value=False).unfold(1, A, 1)  # (N, L, A)
+    valid = start_mask[:, :, None] & end_ok  # (N, L, A)
+    return start.float()[:, :, None] + end_w, valid
+
+
+def masked_log_softmax(scores: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """log_softmax over the valid entries of `dims`; invalid entries (and every entry of a group
+    with none valid, e.g. the null document) come out as _NEG, never NaN, with zero gradient."""
+    scores = scores.masked_fill(~valid, _NEG)
+    return (scores - torch.logsumexp(scores, dim=dims, keepdim=True)).masked_fill(~valid, _NEG)
+
+
+def marginal_nll(log_p: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """-log sum_{correct} p per row: log_p, correct (B, ...) -> (B,); 0 where a row has no correct entry."""
+    B = log_p.size(0)
+    lp, ok = log_p.reshape(B, -1), correct.reshape(B, -1)
+    nll = -torch.logsumexp(lp.masked_fill(~ok, _NEG), dim=1)  # (B,) finite even with no correct entry
+    return torch.where(ok.any(1), nll, torch.zeros_like(nll))
+
+
+# ----------------------------------------------------------------------------------------------
+# the reader
+# ----------------------------------------------------------------------------------------------
+class SpanReader(nn.Module):
+    """BERT over `[CLS] x [SEP] z [SEP]` -> start/end logits (N, L); an HF *ForQuestionAnswering,
+    so the saved folder is a standard HF QA model."""
+
+    def __init__(self, qa_model: nn.Module):
+        super().__init__()
+        self.qa_model = qa_model
+
+    @classmethod
+    def from_config(cls, config: Any) -> "SpanReader":
+        from transformers import BertForQuestionAnswering
+
+        return cls(BertForQuestionAnswering(config))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dropout: float | None = None) -> "SpanReader":
+        """From an HF folder: an encoder (RetroMAE / MLM / REALM's knowledge-augmented encoder; the
+        span head `qa_outputs` starts fresh) or a saved SpanReader. Missing encoder weights raise."""
+        from transformers import AutoModelForQuestionAnswering
+
+        overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+        model, info = AutoModelForQuestionAnswering.from_pretrained(str(path), output_loading_info=True, **overrides)
+        missing = [k for k in info["missing_keys"] if not k.startswith("qa_outputs")]
+        if missing:
+            raise ValueError(f"{path}: reader encoder weights missing (would be random): {sorted(missing)[:8]}")
+        return cls(model)
+
+    @property
+    def config(self) -> Any:
+        return self.qa_model.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.qa_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        return out.start_logits, out.end_logits  # (N, L) each
+
+
+# ----------------------------------------------------------------------------------------------
+# retriever + reader
+# ----------------------------------------------------------------------------------------------
+class OpenQA(nn.Module):
+    """`forward(batch)` -> {"loss", "retrieval_loss", "reader_loss", "answerable", "span_acc", "num_tokens"}.
+
+    batch (from `QACollator`): query_input_ids / query_attention_mask (B, Lq); block_embeddings
+    (B, K, D) (frozen; optional: absent = uniform p(z|x)); candidate_mask (B, K); input_ids /
+    attention_mask / token_type_ids / context_mask (B, K, L); optional span_start_mask /
+    span_end_mask (B, K, L) (word boundaries; default: any z token); correct_spans (B, K, L, A);
+    answer_in_block (B, K).
+    """
+
+    def __init__(self, retriever: nn.Module, reader: SpanReader, max_answer_tokens: int = 10):
+        super().__init__()
+        if max_answer_tokens < 1:
+            raise ValueError(f"max_answer_tokens must be >= 1, got {max_answer_tokens}")
+        self.retriever, self.reader, self.max_answer_tokens = retriever, reader, max_answer_tokens
+        if getattr(retriever, "share_towers", True) is False:
+            # A REALM retriever with untied towers: its passage tower made the frozen index and gets
+            # no gradient here; frozen, so DDP (find_unused_parameters=False) and AdamW skip it.
+            for p in [*retriever.passage_encoder.parameters(), *retriever.passage_projection.parameters()]:
+                p.requires_grad_(False)
+
+    # -- p(z | x) ----------------------------------------------------------------------------------
+    def retrieval_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """log p(z | x) (B, K): the query tower re-scores the retrieved blocks' frozen embeddings."""
+        cand = batch["candidate_mask"]  # (B, K)
+        emb = batch.get("block_embeddings")
+        if emb is None:  # no index scores: every retrieved block equally likely
+            scores = torch.zeros(cand.shape, device=cand.device)
+        else:
+            q = self.retriever.encode_query(batch["query_input_ids"], batch["query_attention_mask"]).float()  # (B, D)
+            scores = torch.einsum("bd,bkd->bk", q, emb.detach().float())  # (B, K); detach: the index is frozen
+        return masked_log_softmax(scores, cand, (1,))  # (B, K)
+
+    # -- p(s | x, z) -------------------------------------------------------------------------------
+    def span_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """log p(s | x, z) (B, K, L, A): the reader over all B*K (x, z) pairs at once."""
+        B, K, L = batch["input_ids"].shape
+        flat = lambda t: t.reshape(B * K, L)  # noqa: E731
+        start, end = self.reader(flat(batch["input_ids"]), flat(batch["attention_mask"]), flat(batch["token_type_ids"]))
+        ctx = batch["context_mask"]
+        # Spans start/end on word boundaries when the collator says where they are (every correct
+        # span does), so no probability mass goes to "##ing"-like fragments the metric can't match.
+        may_start, may_end = batch.get("span_start_mask", ctx) & ctx, batch.get("span_end_mask", ctx) & ctx
+        scores, valid = span_logits(start, end, flat(may_start), self.max_answer_tokens, flat(may_end))  # (B*K, L, A)
+        return masked_log_softmax(scores, valid, (1, 2)).view(B, K, L, -1)  # (B, K, L, A)
+
+    # -- training ----------------------------------------------------------------------------------
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        correct = batch["correct_spans"]  # (B, K, L, A) bool
+        if correct.size(-1) != self.max_answer_tokens:
+            raise ValueError(f"batch built for max_answer_tokens={correct.size(-1)}, model has {self.max_answer_tokens}")
+        cand = batch["candidate_mask"]  # (B, K)
+        log_pz = self.retrieval_log_probs(batch)  # (B, K)
+        log_ps = self.span_log_probs(batch)  # (B, K, L, A)
+        correct = correct & cand[:, :, None, None]
+        joint = log_pz[:, :, None, None] + log_ps  # (B, K, L, A) log p(z, s | x)
+
+        retrieval_nll = marginal_nll(log_pz, batch["answer_in_block"] & cand)  # (B,)
+        reader_nll = marginal_nll(joint, correct)  # (B,)
+        with torch.no_grad():
+            B = joint.size(0)
+            best = joint.reshape(B, -1).argmax(1)  # (B,)
+            span_acc = correct.reshape(B, -1).gather(1, best[:, None]).float().mean()
+        return {
+            "loss": (retrieval_nll + reader_nll).mean(),
+            "retrieval_loss": retrieval_nll.detach().mean(),
+            "reader_loss": reader_nll.detach().mean(),
+            "answerable": correct.flatten(1).any(1).float().mean(),  # questions with a correct span in the top k
+            "span_acc": span_acc,  # the argmax (z, s) is a correct span
+            "num_tokens": batch["attention_mask"].sum() + batch["query_attention_mask"].sum(),
+        }
+
+    # -- inference ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def predict_batch(self, batch: dict[str, torch.Tensor], block_texts: Sequence[Sequence[str | None]]) -> list[dict]:
+        """Best span per question: [{"answer", "block", "start", "end", "score"}], score =
+        log p(z | x) + log p(s | x, z). No valid span (closed-book / null document only) -> answer ""."""
+        joint = self.retrieval_log_probs(batch)[:, :, None, None] + self.span_log_probs(batch)  # (B, K, L, A)
+        B, K, L, A = joint.shape
+        score, best = joint.reshape(B, -1).max(1)
+        offsets = batch["z_char_offsets"]  # (B, K, L, 2)
+        out = []
+        for b in range(B):
+            k, rem = divmod(int(best[b]), L * A)
+            i, w = divmod(rem, A)
+            if score[b] < _NEG / 2 or k >= len(block_texts[b]) or block_texts[b][k] is None:
+                out.append({"answer": "", "block": -1, "start": -1, "end": -1, "score": float("-inf")})
+                continue
+            s, e = int(offsets[b, k, i, 0]), int(offsets[b, k, i + w, 1])
+            out.append({"answer": block_texts[b][k][s:e], "block": k, "start": i, "end": i + w, "score": float(score[b])})
+        return out
+
+    def predict(self, question: str, blocks: Sequence[dict], block_embeddings: np.ndarray | None = None,
+                collator: "QACollator | None" = None) -> str:
+        """The answer string for one question from its retrieved `blocks` ({"text", optional
+        "input_ids"/"offsets"}) and their index embeddings (K, D); `blocks=[]` = closed-book (the
+        null document only; answers ""). `collator`: the QACollator of training (its lengths)."""
+        if collator is None:
+            raise ValueError("predict needs the QACollator (tokenizer + lengths) used for training")
+        was_training = self.training
+        self.eval()
+        try:
+            blocks = list(blocks) or [None]  # closed-book: the null document only
+            embs = None if block_embeddings is None or not len(block_embeddings) else [np.asarray(block_embeddings)]
+            batch = collator.encode([question], [blocks], embs)
+            device = next(self.parameters()).device
+            batch = {k: v.to(device) for k, v in batch.items()}
+            texts = [[None if z is None else z["text"] for z in blocks]]
+            return self.predict_batch(batch, texts)[0]["answer"]
+        finally:
+            self.train(was_training)
+
+    # -- save / load -------------------------------------------------------------------------------
+    def save_pretrained(self, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
+        """`out_dir/`: retriever/ (the query tower's own save_pretrained), reader/ (HF QA folder),
+        openqa_config.json. Atomic."""
+        model = getattr(self, "module", self)
+        with atomic_dir(out_dir) as tmp:
+            from components.models.biencoder import BiEncoder
+
+            if isinstance(model.retriever, BiEncoder):
+                model.retriever.save_pretrained(tmp / "retriever", tokenizer)
+            else:  # e.g. a REALM Retriever: its own layout, no tokenizer argument
+                model.retriever.save_pretrained(tmp / "retriever")
+            model.reader.qa_model.save_pretrained(tmp / "reader")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "reader")
+            write_json_atomic(tmp / OPENQA_CONFIG, {"max_answer_tokens": model.max_answer_tokens,
+                                                    "retriever_type": type(model.retriever).__name__})
+        return Path(out_dir)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "OpenQA":
+        path = Path(path)
+        cfg = json.loads((path / OPENQA_CONFIG).read_text())
+        if cfg.get("retriever_type") == "Retriever":  # a REALM retriever (projection + maybe untied towers)
+            from components.models.realm import Retriever
+
+            retriever = Retriever.from_pretrained(path / "retriever")
+        else:
+            from components.models.biencoder import BiEncoder
+
+            retriever = BiEncoder.from_pretrained(path / "retriever")
+        return cls(retriever, SpanReader.from_pretrained(path / "reader"), cfg["max_answer_tokens"])
+
+
+# ----------------------------------------------------------------------------------------------
+# collation
+# ----------------------------------------------------------------------------------------------
+def _pad(seqs: list[list], value: Any) -> list[list]:
+    L = max((len(s) for s in seqs), default=0)
+    return [list(s) + [value] * (L - len(s)) for s in seqs]
+
+
+class QACollator:
+    """Rows {question, answers, block_rows} -> the (B, K, L) batch `OpenQA.forward` takes.
+
+    `blocks`: the retrieval blocks (the tokenize stage's `data/tokens/blocks` dataset, or a list of
+    dicts with `text` and, ideally, `input_ids` + `offsets`; without them the text is tokenized
+    here). `block_embeddings` (N, D): the frozen index's vectors, row-aligned with `blocks`.
+    `block_rows`: the top-k rows the index returned (NULL_ROW = null document, MISSING_ROW = empty
+    slot); fewer than `top_k` are padded with empty slots, more are cut.
+
+    Output: query_input_ids / query_attention_mask (B, Lq) `[CLS] x [SEP]` (the query tower's input);
+    input_ids / attention_mask / token_type_ids (B, K, L) `[CLS] x [SEP] z [SEP]` with
+    x <= query_len - 2 and z <= passage_len - 2 tokens (what `[CLS] z [SEP]` of the index held);
+    context_mask (B, K, L) (z tokens); span_start_mask / span_end_mask (B, K, L) (z tokens that
+    may start / end an answer: not inside a word, see `word_boundaries`); z_char_offsets
+    (B, K, L, 2) (char span in the block text, -1 outside z); correct_spans (B, K, L, A);
+    answer_in_block, candidate_mask, candidate_rows (B, K); block_embeddings (B, K, D) float32
+    (zeros for the null document / empty slots).
+    """
+
+    def __init__(self, tokenizer: Any, blocks: Any = None, block_embeddings: np.ndarray | None = None, *,
+                 query_len: int = 32, passage_len: int = 80, top_k: int = 5, max_answer_tokens: int = 10):
+        self.tokenizer, self.blocks = tokenizer, blocks
+        self.block_embeddings = None if block_embeddings is None else np.asarray(block_embeddings, dtype=np.float32)
+        if self.blocks is not None and self.block_embeddings is not None and len(self.blocks) != len(self.block_embeddings):
+            raise ValueError(f"{len(self.blocks)} blocks but {len(self.block_embeddings)} block embeddings")
+        self.query_len, self.passage_len, self.top_k, self.max_answer_tokens = query_len, passage_len, top_k, max_answer_tokens
+        self.cls, self.sep, self.pad = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id
+        self._span_cache: dict[tuple[int, tuple[str, ...]], tuple[tuple[int, int], ...]] = {}
+
+    @classmethod
+    def from_params(cls, tokenizer: Any, blocks: Any, block_embeddings: np.ndarray, p: Any) -> "QACollator":
+        """`p`: a FinetuneParams (query_len, passage_len, qa_top_k, max_answer_tokens)."""
+        return cls(tokenizer, blocks, block_embeddings, query_len=p.query_len, passage_len=p.passage_len,
+                   top_k=p.qa_top_k, max_answer_tokens=p.max_answer_tokens)
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _block_tokens(self, block: dict) -> tuple[list[int], list[list[int]]]:
+        """(z token ids, char offsets), cut to passage_len - 2 tokens."""
+        n = self.passage_len - 2
+        if block.get("input_ids") is not None and block.get("offsets") is not None:
+            ids, offs = list(block["input_ids"]), [list(o) for o in block["offsets"]]
+        else:
+            enc = self.tokenizer(block["text"], add_special_tokens=False, return_offsets_mapping=True)
+            ids, offs = enc["input_ids"], [list(o) for o in enc["offset_mapping"]]
+        return [int(t) for t in ids[:n]], [[int(a), int(b)] for a, b in offs[:n]]
+
+    def _spans(self, row: int, answers: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+        """find_answer_spans for table block `row`, cached: the same (block, answers) pairs recur
+        every epoch. A plain dict (bounded by clearing), so the collator stays picklable for workers."""
+        key = (row, answers)
+        hit = self._span_cache.get(key)
+        if hit is None:
+            block = self.blocks[row]
+            _, offs = self._block_tokens(block)
+            hit = tuple(find_answer_spans(offs, block["text"], answers, self.max_answer_tokens))
+            if len(self._span_cache) >= 200_000:
+                self._span_cache.clear()
+            self._span_cache[key] = hit
+        return hit
+
+    def _question_tokens(self, question: str) -> list[int]:
+        return self.tokenizer(question, add_special_tokens=False)["input_ids"][: self.query_len - 2]
+
+    # -- building the batch ------------------------------------------------------------------------
+    def encode(self, questions: Sequence[str], blocks: Sequence[Sequence[dict | None]],
+               embeddings: Sequence[np.ndarray] | None = None, answers: Sequence[Sequence[str]] | None = None,
+               rows: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+        """The batch for explicit blocks: blocks[b][k] a block dict or None (the null document);
+        embeddings[b] (len(blocks[b]), D); answers[b] gold strings (none at inference); rows[b][k]
+        the blocks' table rows (span cache, `candidate_rows`; MISSING_ROW marks an empty slot).
+        K = the longest blocks[b] (at least 1); shorter lists are padded with empty slots."""
+        B = len(questions)
+        K = max(1, max((len(z) for z in blocks), default=0))
+        A = self.max_answer_tokens
+        seqs, types, ctx, offs, spans, cand_rows, real = [], [], [], [], [], [], []
+        may_start, may_end = [], []
+        x_seqs = []
+        for b, question in enumerate(questions):
+            x = self._question_tokens(question)
+            x_seqs.append([self.cls, *x, self.sep])
+            z0 = len(x) + 2  # first z position: after [CLS] x [SEP]
+            gold = tuple(answers[b]) if answers is not None else ()
+            for k in range(K):
+                if rows is not None and k < len(rows[b]):
+                    row = int(rows[b][k])
+                elif k >= len(blocks[b]):
+                    row = MISSING_ROW
+                else:  # explicit blocks: their position in the list (the null document: NULL_ROW)
+                    row = NULL_ROW if blocks[b][k] is None else k
+                block = blocks[b][k] if k < len(blocks[b]) and row != MISSING_ROW else None
+                real.append(block is not None)
+                z, z_offs = self._block_tokens(block) if block is not None else ([], [])
+                seqs.append([self.cls, *x, self.sep, *z, self.sep])
+                types.append([0] * z0 + [1] * (len(z) + 1))
+                ctx.append([False] * z0 + [True] * len(z) + [False])
+                ws, we = word_boundaries(z_offs, block["text"]) if block is not None else ([], [])
+                may_start.append([False] * z0 + ws + [False])
+                may_end.append([False] * z0 + we + [False])
+                offs.append([[-1, -1]] * z0 + z_offs + [[-1, -1]])
+                if block is None or not gold:
+                    found: Sequence[tuple[int, int]] = ()
+                elif rows is not None and row >= 0 and self.blocks is not None:
+                    found = self._spans(row, gold)
+                else:
+                    found = find_answer_spans(z_offs, block["text"], gold, A)
+                spans.append([(z0 + s, e - s) for s, e in found])
+                cand_rows.append(row)
+        L = max(len(s) for s in seqs)
+        correct = torch.zeros(B * K, L, A, dtype=torch.bool)
+        for n, found in enumerate(spans):
+            for i, w in found:
+                correct[n, i, w] = True
+        cand_rows_t = torch.tensor(cand_rows, dtype=torch.long).view(B, K)
+        batch = {
+            "query_input_ids": torch.tensor(_pad(x_seqs, self.pad), dtype=torch.long),
+            "query_attention_mask": torch.tensor(_pad([[1] * len(s) for s in x_seqs], 0), dtype=torch.long),
+            "input_ids": torch.tensor(_pad(seqs, self.pad), dtype=torch.long).view(B, K, L),
+            "attention_mask": torch.tensor(_pad([[1] * len(s) for s in seqs], 0), dtype=torch.long).view(B, K, L),
+            "token_type_ids": torch.tensor(_pad(types, 0), dtype=torch.long).view(B, K, L),
+            "context_mask": torch.tensor(_pad(ctx, False), dtype=torch.bool).view(B, K, L),
+            "span_start_mask": torch.tensor(_pad(may_start, False), dtype=torch.bool).view(B, K, L),
+            "span_end_mask": torch.tensor(_pad(may_end, False), dtype=torch.bool).view(B, K, L),
+            "z_char_offsets": torch.tensor(_pad(offs, [-1, -1]), dtype=torch.long).view(B, K, L, 2),
+            "correct_spans": correct.view(B, K, L, A),
+            "answer_in_block": correct.view(B, K, -1).any(2),
+            "candidate_mask": cand_rows_t != MISSING_ROW,
+            "candidate_rows": cand_rows_t,
+        }
+        if embeddings is not None:
+            D = next((np.asarray(e).shape[-1] for e in embeddings if len(e)), 1)
+            emb = np.zeros((B, K, D), dtype=np.float32)
+            for b, e in enumerate(embeddings):
+                for k in range(min(K, len(e))):
+                    if real[b * K + k]:
+                        emb[b, k] = e[k]  # the null document and empty slots keep 0
+            batch["block_embeddings"] = torch.from_numpy(emb)
+        return batch
+
+    def __call__(self, rows: Sequence[dict], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Training rows -> batch (K = top_k always, so shapes are fixed). `generator` is unused
+        (nothing random here); it is accepted for the trainer's collate signature."""
+        if self.blocks is None:
+            raise ValueError("QACollator needs `blocks` (and `block_embeddings`) to collate rows with block_rows")
+        blocks, embs, table_rows = [], [], []
+        for r in rows:
+            rr = [int(x) for x in list(r["block_rows"])[: self.top_k]]
+            rr += [MISSING_ROW] * (self.top_k - len(rr))
+            table_rows.append(rr)
+            blocks.append([None if x < 0 else self.blocks[x] for x in rr])
+            if self.block_embeddings is not None:
+                embs.append(self.block_embeddings[np.clip(rr, 0, None)])  # rows < 0 are zeroed in encode
+        return self.encode([r["question"] for r in rows], blocks, embs if self.block_embeddings is not None else None,
+                           [r.get("answers", []) for r in rows], table_rows)
