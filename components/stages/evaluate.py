@@ -151,14 +151,13 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
     return rows
 
 
-def qa_rows(params: Params, es: EvalSet, out_dir: Path) -> list[dict]:
-    """Open-QA with the fine-tuned reader (when the finetune stage trained one)."""
-    folder = MODELS / "finetune/reader"
-    if not es.qa or not (folder / "config.json").exists():
-        return []
-    from components.models.reader import load_open_qa
+def qa_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> list[dict]:
+    """Open-QA with the fine-tuned reader over the final REALM index (when finetune trained one)."""
+    if not es.qa or not es.is_main or not (MODELS / "finetune/open_qa").exists():
+        return []  # the reader reads the pre-training corpus's index; extra sets would need their own
+    from components.stages.finetune import OpenQAPredictor
 
-    qa = load_open_qa(MODELS / "finetune", params)
+    qa = OpenQAPredictor(params, tokenizer)
     golds = {r["id"]: r["answers"] for r in es.qa}
     rows = []
     for system, closed_book in (("realm-reader", False), ("closed-book", True)):
@@ -195,7 +194,7 @@ def evaluate(params: Params, run=None) -> dict:
         for es in eval_sets(params, tokenizer):
             if es.beir is not None and es.beir.queries:
                 rows += retrieval_rows(params, es, tokenizer, out_dir)
-            rows += qa_rows(params, es, out_dir)
+            rows += qa_rows(params, es, tokenizer, out_dir)
     if not rows:
         raise RuntimeError("nothing to evaluate: the test split has no questions (data/corpus/beir/qrels/test.tsv is empty) "
                            "and evaluate.extra_sets is empty; use a source with questions or add an extra set")
