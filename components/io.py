@@ -140,6 +140,7 @@ def _s3_fail(client, op: str, bucket: str, key: str, err: Exception) -> S3Error:
 
 def s3_download_prefix(uri: str, dest: str | os.PathLike, endpoint_url: str | None = None, client=None) -> list[Path]:
     """Download every object under `s3://bucket/prefix` into `dest`, keeping relative paths."""
+    from boto3.exceptions import Boto3Error
     from botocore.exceptions import BotoCoreError, ClientError
 
     client = client or s3_client(endpoint_url)
@@ -158,7 +159,7 @@ def s3_download_prefix(uri: str, dest: str | os.PathLike, endpoint_url: str | No
                 local.parent.mkdir(parents=True, exist_ok=True)
                 client.download_file(bucket, key, str(local))
                 out.append(local)
-    except (BotoCoreError, ClientError) as e:
+    except (BotoCoreError, ClientError, Boto3Error) as e:  # Boto3Error: the transfer manager's wrappers
         raise _s3_fail(client, "download", bucket, key, e) from None
     if not out:
         raise S3Error(f"s3://{bucket}/{prefix}: no objects under this prefix (endpoint {client.meta.endpoint_url})")
@@ -166,13 +167,19 @@ def s3_download_prefix(uri: str, dest: str | os.PathLike, endpoint_url: str | No
 
 
 def s3_upload_file(path: str | os.PathLike, uri: str, endpoint_url: str | None = None, client=None) -> str:
-    """Upload one file. S3 PUTs are atomic per object: a failed upload leaves no partial object."""
+    """Upload one file. S3 PUTs are atomic per object: a failed upload leaves no partial object.
+
+    A file over the transfer manager's multipart threshold (8 MiB) goes up in parts; the object
+    appears only when the upload completes (a failed upload is aborted; a killed process leaves
+    invisible parts that a bucket lifecycle rule `AbortIncompleteMultipartUpload` reclaims).
+    """
+    from boto3.exceptions import Boto3Error
     from botocore.exceptions import BotoCoreError, ClientError
 
     client = client or s3_client(endpoint_url)
     bucket, key = parse_s3_uri(uri)
     try:
         client.upload_file(str(path), bucket, key)
-    except (BotoCoreError, ClientError) as e:
+    except (BotoCoreError, ClientError, Boto3Error) as e:  # upload_file wraps ClientError in S3UploadFailedError
         raise _s3_fail(client, "upload", bucket, key, e) from None
     return uri

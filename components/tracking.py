@@ -13,7 +13,8 @@
   `StageRun.resume()`; other ranks never touch MLflow.
 - Step metrics go through `MetricBuffer`, a background flusher: a slow or absent tracking server
   never blocks a training step, and metrics logged while it is down are flushed when it returns
-  (or reported, and saved to a local JSONL, if it never does).
+  (or reported, and saved to a local JSONL, if it never does: `python -m components.tracking
+  replay FILE` sends them, and the run's end status, once the server is back).
 - Tags on every run: git commit + dirty flag, the DVC stage, a params digest, the Prefect flow-run id.
 """
 
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from components.config import Params
 from components.io import tree_digest, write_json_atomic
@@ -79,24 +80,36 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def _health_problem(uri: str, timeout: float) -> str | None:
+    """None when `uri` is not an http(s) server or its /health answers 200, else what went wrong."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as r:
+            return None if r.status == 200 else f"HTTP {r.status}"
+    except (urllib.error.URLError, OSError) as e:
+        return str(getattr(e, "reason", e))
+
+
+def server_reachable(uri: str, timeout: float = 2.0) -> bool:
+    """A quick probe before talking to a tracking server. MLflow's own HTTP client retries a dead
+    server for ~4 minutes per call (MLFLOW_HTTP_REQUEST_MAX_RETRIES=7, backoff factor 2), so a
+    call made while the server is down would stall the metric flusher or a stage's exit for that long."""
+    return _health_problem(uri, timeout) is None
+
+
 def check_server(uri: str, timeout: float = 5.0) -> None:
     """Fail fast, with a clear message, when an http(s) tracking server does not answer.
 
     Chosen over a silent fallback to the embedded store: a run logged somewhere the user is not
     looking is worse than a stage that stops in seconds and says which URL to fix.
     """
-    if not uri.startswith(("http://", "https://")):
+    problem = _health_problem(uri, timeout)
+    if problem is None:
         return
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as r:
-            if r.status == 200:
-                return
-            problem = f"HTTP {r.status}"
-    except (urllib.error.URLError, OSError) as e:
-        problem = str(getattr(e, "reason", e))
     raise ConnectionError(
         f"MLflow tracking server {uri} is not answering ({problem}). Start it (`bash infra/servers.sh up mlflow`), "
         f"fix MLFLOW_TRACKING_URI / tracking.uri, or unset both to use the embedded store ({Params().tracking.embedded_uri}).")
@@ -111,13 +124,20 @@ class MetricBuffer:
     If the server is unreachable the batch is kept and retried with backoff; training never waits.
     `close()` makes a last attempt and returns how many metrics could not be sent; those are
     written to `fallback_path` (JSONL) so nothing is lost.
+
+    `probe()` (optional) is asked before each send; False skips the attempt at once, so a dead
+    server costs a failed health check, not MLflow's minutes of retries. One sender at a time
+    (the flusher thread or `close()`): a batch is never sent twice nor dropped by a race.
     """
 
-    def __init__(self, client, run_id: str, flush_every: float = 2.0, fallback_path: str | os.PathLike | None = None):
+    def __init__(self, client, run_id: str, flush_every: float = 2.0, fallback_path: str | os.PathLike | None = None,
+                 probe: Callable[[], bool] | None = None):
         self.client, self.run_id, self.flush_every = client, run_id, flush_every
         self.fallback_path = Path(fallback_path) if fallback_path else None
+        self.probe = probe
         self._q: queue.Queue = queue.Queue()
         self._pending: list = []
+        self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self.failures = 0
         self.sent = 0
@@ -138,17 +158,26 @@ class MetricBuffer:
             except queue.Empty:
                 return
 
+    def _failed(self, why: str) -> bool:
+        self.failures += 1
+        if self.failures in (1, 10) or self.failures % 100 == 0:
+            log.warning("MLflow unreachable (%s); %d metrics buffered, will retry", why, len(self._pending))
+        return False
+
     def _flush(self) -> bool:
+        with self._send_lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> bool:
         self._drain()
+        if self._pending and self.probe is not None and not self.probe():
+            return self._failed("health check failed")
         while self._pending:
             batch = self._pending[:1000]  # MLflow's log_batch limit
             try:
                 self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
             except Exception as e:  # noqa: BLE001 - any transport error: keep the batch, retry later
-                self.failures += 1
-                if self.failures in (1, 10) or self.failures % 100 == 0:
-                    log.warning("MLflow unreachable (%s); %d metrics buffered, will retry", type(e).__name__, len(self._pending))
-                return False
+                return self._failed(type(e).__name__)
             del self._pending[: len(batch)]
             self.sent += len(batch)
         return True
@@ -159,20 +188,42 @@ class MetricBuffer:
             backoff = self.flush_every if self._flush() else min(backoff * 2, 30.0)
 
     def close(self, timeout: float = 10.0) -> int:
+        """Stop the flusher and try to send what is left for up to `timeout` seconds in all.
+
+        Returns how many metrics could not be sent (saved to `fallback_path` when given).
+        """
+        deadline = time.monotonic() + timeout
         self._stop.set()
         self._thread.join(timeout=timeout)
-        deadline = time.time() + timeout
-        while not self._flush() and time.time() < deadline:
-            time.sleep(0.5)
-        self._drain()
-        lost = len(self._pending)
-        if lost and self.fallback_path:
+        while True:
+            # The flusher may still be inside a send (a server that died mid-call): wait for it
+            # until the deadline instead of sending the same batch concurrently.
+            if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break
+            try:
+                ok = self._flush_locked()
+            finally:
+                self._send_lock.release()
+            if ok or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        locked = self._send_lock.acquire(timeout=0.1)
+        try:
+            self._drain()
+            unsent = list(self._pending)  # a batch still in flight may also arrive: at least once, never lost
+            self._pending.clear()
+        finally:
+            if locked:
+                self._send_lock.release()
+        if unsent and self.fallback_path:
             self.fallback_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.fallback_path, "a", encoding="utf-8") as f:
-                for m in self._pending:
-                    f.write(json.dumps({"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}) + "\n")
-            log.error("%d metrics could not reach MLflow; saved to %s (replay with `python -m flows.replay_metrics`)", lost, self.fallback_path)
-        return lost
+                for m in unsent:
+                    f.write(json.dumps({"run_id": self.run_id, "key": m.key, "value": m.value, "step": m.step,
+                                        "timestamp": m.timestamp}) + "\n")
+            log.error("%d metrics could not reach MLflow; saved to %s (send them later with "
+                      "`python -m components.tracking replay %s`)", len(unsent), self.fallback_path, self.fallback_path)
+        return len(unsent)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,6 +243,7 @@ class StageRun:
         self.client = None
         self.metrics: MetricBuffer | None = None
         self.metrics_lost = 0
+        self.fallback_path: Path | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "StageRun":
@@ -210,7 +262,9 @@ class StageRun:
             run = self.client.create_run(exp_id, run_name=self.stage, tags=tags)
             self.run_id = run.info.run_id
             self._log_params()
-        self.metrics = MetricBuffer(self.client, self.run_id, fallback_path=self.fallback_dir / f".mlflow-unsent-{self.run_id}.jsonl")
+        self.fallback_path = self.fallback_dir / f".mlflow-unsent-{self.run_id}.jsonl"
+        self.metrics = MetricBuffer(self.client, self.run_id, fallback_path=self.fallback_path,
+                                    probe=lambda: server_reachable(self.uri))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -220,6 +274,16 @@ class StageRun:
         if self.metrics is not None:
             self.metrics_lost = self.metrics.close()
             self.metrics = None
+        if not server_reachable(self.uri):
+            # Not MLflow's ~4 minutes of retries per call: record the end locally and move on.
+            if self.fallback_path is not None:
+                self.fallback_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.fallback_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"run_id": self.run_id, "status": status, "metrics_unsent": self.metrics_lost}) + "\n")
+            log.error("MLflow %s is not answering: run %s stays RUNNING there; its end (%s) and %d unsent metrics "
+                      "are in %s (`python -m components.tracking replay` it when the server is back)",
+                      self.uri, self.run_id, status, self.metrics_lost, self.fallback_path)
+            return
         try:
             if self.metrics_lost:
                 self.client.set_tag(self.run_id, "rr.metrics_unsent", str(self.metrics_lost))
@@ -329,3 +393,58 @@ def open_parent_run(params: Params, name: str = "pipeline", tags: dict[str, str]
 
 def close_run(params: Params, run_id: str, status: str = "FINISHED") -> None:
     _client(tracking_uri(params)).set_terminated(run_id, status=status)
+
+
+# ----------------------------------------------------------------------------------------------
+# replaying what could not be sent
+# ----------------------------------------------------------------------------------------------
+def replay_unsent(path: str | os.PathLike, uri: str | None = None, delete: bool = True) -> int:
+    """Send a `.mlflow-unsent-<run_id>.jsonl` file (metrics, and the run's end status when the
+    server was down at its end) to MLflow, tag the run `rr.metrics_replayed`, delete the file.
+    Returns the number of metrics sent. Run it once: a second replay would log the metrics twice.
+
+        python -m components.tracking replay .mlflow-unsent-<run_id>.jsonl [--uri URI]
+    """
+    from mlflow.entities import Metric
+
+    path = Path(path)
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    default_id = path.name.removeprefix(".mlflow-unsent-").removesuffix(".jsonl")
+    client = _client(uri or tracking_uri())
+    by_run: dict[str, list] = {}
+    ends: dict[str, str] = {}
+    for r in rows:
+        run_id = r.get("run_id") or default_id
+        if "key" in r:
+            by_run.setdefault(run_id, []).append(Metric(r["key"], float(r["value"]), int(r["timestamp"]), int(r["step"])))
+        elif "status" in r:
+            ends[run_id] = r["status"]
+    sent = 0
+    for run_id, metrics in by_run.items():
+        for i in range(0, len(metrics), 1000):
+            client.log_batch(run_id, metrics=metrics[i : i + 1000], synchronous=True)
+        client.set_tag(run_id, "rr.metrics_replayed", str(len(metrics)))
+        sent += len(metrics)
+    for run_id, status in ends.items():
+        client.set_terminated(run_id, status=status)
+    if delete:
+        path.unlink()
+    return sent
+
+
+def _main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m components.tracking", description="tracking utilities")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rp = sub.add_parser("replay", help="send .mlflow-unsent-*.jsonl files left by runs whose server was down")
+    rp.add_argument("files", nargs="+")
+    rp.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI, else the embedded store)")
+    rp.add_argument("--keep", action="store_true", help="keep the files after sending")
+    args = ap.parse_args(argv)
+    for f in args.files:
+        print(f"{f}: {replay_unsent(f, args.uri, delete=not args.keep)} metrics sent")
+
+
+if __name__ == "__main__":
+    _main()

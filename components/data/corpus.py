@@ -124,6 +124,10 @@ def read_jsonl(path: str | Path, text_field: str = "text", title_field: str | No
             _json_error(path, lineno, f"malformed JSON ({e.msg} at column {e.colno})",
                         "fix or remove the line, or set data.on_error: skip", report, on_error)
             continue
+        except (ValueError, RecursionError) as e:  # an int over 4300 digits, or nesting deeper than the recursion limit
+            _json_error(path, lineno, f"unreadable JSON ({type(e).__name__}: {str(e)[:80]})",
+                        "fix or remove the line, or set data.on_error: skip", report, on_error)
+            continue
         if not isinstance(rec, dict):
             _json_error(path, lineno, f"expected a JSON object, got {type(rec).__name__}",
                         "each line must be one object like {\"text\": ...}", report, on_error)
@@ -261,24 +265,43 @@ def _load_s3(p: DataParams) -> SourceData:
 
     with tempfile.TemporaryDirectory(prefix="rr-s3-") as tmp:
         files = s3_download_prefix(p.path, tmp, endpoint_url=p.s3_endpoint_url)
-        fmt = p.format
-        if fmt == "auto":
-            fmt = "beir" if any(f.name == "corpus.jsonl" for f in files) else ("jsonl" if files[0].suffix in (".jsonl", ".json") else "txt")
-        if fmt == "beir":
-            root = next(f for f in files if f.name == "corpus.jsonl").parent
-            data = read_beir_source(root, p.on_error)
-        else:
-            passages, report = [], ReadReport()
-            for f in files:
-                ps, r = _read_file_by_suffix(f, p) if fmt == "auto" else (
-                    read_jsonl(f, p.jsonl_fields.text, p.jsonl_fields.title, p.jsonl_fields.id, p.on_error)
-                    if fmt == "jsonl" else read_txt(f, p.txt_mode, p.on_error))
-                passages += ps
-                report.records_read += r.records_read
-                report.skipped += r.skipped
-            data = SourceData(passages, report)
+        base = p.path.rstrip("/")
+
+        def s3_name(text: str) -> str:
+            # Errors must name the object, not the temp copy that is gone when the stage stops.
+            for f in sorted(files, key=lambda f: -len(str(f))):  # longest first: a.txt.bak before a.txt
+                rel = f.relative_to(tmp).as_posix()
+                text = text.replace(str(f), base if base.endswith("/" + rel) else f"{base}/{rel}")
+            return text.replace(str(tmp), base)
+
+        try:
+            data = _read_s3_files(p, files)
+        except DataError as e:
+            raise DataError(s3_name(e.path), e.problem, line=e.line, fix=e.fix) from None
+        data.report.skipped = [s3_name(s) for s in data.report.skipped]
         data.report.files = [p.path]
         return data
+
+
+def _read_s3_files(p: DataParams, files: list[Path]) -> SourceData:
+    fmt = p.format
+    if fmt == "auto" and any(f.name == "corpus.jsonl" for f in files):
+        fmt = "beir"
+    if fmt == "beir":
+        root = next(f for f in files if f.name == "corpus.jsonl").parent
+        return read_beir_source(root, p.on_error)
+    passages, report = [], ReadReport()
+    for f in files:
+        if fmt == "auto":  # each file by its own suffix: a prefix may mix .jsonl and .txt files
+            ps, r = _read_file_by_suffix(f, p)
+        elif fmt == "jsonl":
+            ps, r = read_jsonl(f, p.jsonl_fields.text, p.jsonl_fields.title, p.jsonl_fields.id, p.on_error)
+        else:
+            ps, r = read_txt(f, p.txt_mode, p.on_error)
+        passages += ps
+        report.records_read += r.records_read
+        report.skipped += r.skipped
+    return SourceData(passages, report)
 
 
 def read_beir_source(root: Path, on_error: str = "raise") -> SourceData:

@@ -44,8 +44,16 @@ class HFEncoder:
     @classmethod
     def load(cls, folder: str | Path, device: str = "cpu") -> "HFEncoder":
         from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
 
-        return cls(AutoModel.from_pretrained(str(folder)), device)
+        # The MLM head's weights are "unexpected" and the pooler "missing" when an MLM checkpoint is
+        # loaded as a bare encoder; both are irrelevant to [CLS] pooling, so keep the log quiet.
+        prev = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            return cls(AutoModel.from_pretrained(str(folder)), device)
+        finally:
+            hf_logging.set_verbosity(prev)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,13 @@ def build_encoder(
             cls_token_id=cls_token_id, sep_token_id=sep_token_id, mask_token_id=mask_token_id,
         )
         return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa")
-    return load_pretrained_encoder(enc.pretrained_path, vocab_size, dropout=enc.dropout)
+    model = load_pretrained_encoder(enc.pretrained_path, vocab_size, dropout=enc.dropout)
+    if model.config.pad_token_id != pad_token_id:
+        logger.warning("%s: config pad_token_id=%s but the tokenizer's is %s (is this the model's tokenizer?)",
+                       enc.pretrained_path, model.config.pad_token_id, pad_token_id)
+    logger.info("loaded %s: %d layers, hidden %d (the folder's architecture; encoder size params are ignored)",
+                enc.pretrained_path, model.config.num_hidden_layers, model.config.hidden_size)
+    return model
 
 
 def load_pretrained_encoder(path: str | os.PathLike, vocab_size: int | None = None, dropout: float | None = None) -> PreTrainedModel:
