@@ -177,7 +177,7 @@ class RetroMAEParams(_Section):
     # raw: H1 = [CLS] + position embeddings, no LayerNorm (the RetroMAE reference code; default).
     # embedding: H1 goes through the embedding LayerNorm + dropout (FlagEmbedding's copy).
     h1_mode: Literal["raw", "embedding"] = "raw"
-    train: TrainParams = TrainParams(batch_size=16, lr=3e-4, max_steps=150, checkpoint_every=50)
+    train: TrainParams = TrainParams(batch_size=16, lr=3e-4, max_steps=60, checkpoint_every=20)
 
 
 class MLMParams(_Section):
@@ -199,7 +199,7 @@ class RealmParams(_Section):
     span_tagger: Literal["auto", "regex", "spacy"] = "auto"
     max_masks: int = Field(10, ge=1)
     random_mask_ratio: float = Field(0.15, gt=0, lt=1)
-    refresh_every: int = Field(25, ge=0, description="optimiser steps between index refreshes; 0 = never")
+    refresh_every: int = Field(10, ge=0, description="optimiser steps between index refreshes; 0 = never")
     refresh_mode: Literal["async", "sync"] = "async"
     index_type: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
     index_auto_flat_max: int = Field(1_000_000, ge=1, description="auto: flat up to this many blocks (CPU), then ivf; bench/bench_index.py measured the switch")
@@ -208,7 +208,7 @@ class RealmParams(_Section):
     staleness_k: int = Field(5, ge=1)
     ict_steps: int = Field(50, ge=0)
     ict_mask_rate: float = Field(0.9, ge=0, le=1)
-    train: TrainParams = TrainParams(batch_size=8, lr=1e-4, max_steps=100, checkpoint_every=25)
+    train: TrainParams = TrainParams(batch_size=8, lr=1e-4, max_steps=40, checkpoint_every=10)
 
 
 class FinetuneParams(_Section):
@@ -223,8 +223,8 @@ class FinetuneParams(_Section):
     qa_top_k: int = Field(5, ge=1)
     max_answer_tokens: int = Field(10, ge=1)
     qa_enabled: bool = True
-    train: TrainParams = TrainParams(batch_size=16, lr=5e-5, max_steps=100, checkpoint_every=50)
-    qa_train: TrainParams = TrainParams(batch_size=4, lr=5e-5, max_steps=60, checkpoint_every=30)
+    train: TrainParams = TrainParams(batch_size=16, lr=5e-5, max_steps=40, checkpoint_every=20)
+    qa_train: TrainParams = TrainParams(batch_size=4, lr=5e-5, max_steps=20, checkpoint_every=10)
 
 
 class EvalSet(_Section):
