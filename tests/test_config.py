@@ -58,3 +58,8 @@ def test_section_digest_changes_only_with_its_section():
     b = load_params(ROOT / "params.yaml", overrides={"tokenize.vocab_size": 999})
     assert a.section_digest("retromae") == b.section_digest("retromae")
     assert a.section_digest("tokenize") != b.section_digest("tokenize")
+
+
+def test_params_yaml_spells_out_the_typed_defaults():
+    # the tiny preset lives in both places; they must not drift apart
+    assert load_params(ROOT / "params.yaml").model_dump() == Params().model_dump()

@@ -19,7 +19,8 @@ remaining gap, so `passes` rounds are exact whenever no word is longer than `pas
 Randomness: collators draw everything from their own `torch.Generator` (seeded; `state_dict()` /
 `load_state_dict()` for resume). The RetroMAE decoder masks are drawn later, on the model's device,
 from a per-row `decoder_seed` the collator emits, through `counter_hash` (a stateless hash, so the
-masks are a pure function of the batch: identical on CPU and GPU, and after a resume).
+masks are a pure function of the batch: integer arithmetic and a stable sort give the same masks
+on any device, and again after a resume).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def whole_word_mask(word_ids: torch.Tensor, ratio: float, word_keys: torch.Tenso
     """Pick whole words until `round(n * ratio)` tokens are masked (see the module docstring).
 
     word_ids:  (N, L) long, word index of each token in [0, W); -1 = never mask (specials, pad).
-    word_keys: (N, W) float in [0, 1): random priority of each word id (lower is visited first).
+    word_keys: (N, W) random priority of each word id (any real dtype; lower is visited first).
     returns    (N, L) bool, True = masked.
     """
     N, L = word_ids.shape
@@ -85,25 +86,28 @@ def whole_word_mask(word_ids: torch.Tensor, ratio: float, word_keys: torch.Tenso
     # int32 counts: half the memory traffic of int64 on the (N, W) work arrays (N = B * pool size).
     word_len = torch.zeros(N, W, dtype=torch.int32, device=word_ids.device)
     word_len.scatter_add_(1, wid, maskable.int())  # (N, W) tokens per word id (0 = no such word)
-    gap = mask_budget(maskable.sum(1), ratio).int()  # (N,) tokens still to mask
+    gap = mask_budget(maskable.sum(1), ratio).int().unsqueeze(1)  # (N, 1) tokens still to mask
 
-    # Random visiting order of the words; ids with no tokens sort last (key 2 > any real key).
-    order = torch.argsort(torch.where(word_len > 0, word_keys, 2.0), dim=1)  # (N, W)
+    # Random visiting order of the words; ids with no tokens sort last.
+    last = torch.inf if word_keys.is_floating_point() else torch.iinfo(word_keys.dtype).max
+    # stable: equal keys (rare 32-bit hash ties) break by word id, the same way on every device
+    order = torch.argsort(word_keys.masked_fill(word_len == 0, last), dim=1, stable=True)  # (N, W)
     sorted_len = word_len.gather(1, order)  # (N, W) word lengths in visiting order
-    taken = torch.zeros(N, W, dtype=torch.bool, device=word_ids.device)
+    free = sorted_len > 0  # (N, W) real words not taken yet
     for k in range(passes):
         # Usually the first round fills every budget (most words are one piece): stop early. On a
         # GPU this is a sync, but RetroMAE builds its masks right after one, so the queue is empty.
         if k and not bool((gap > 0).any()):
             break
-        # Words HF's walk could still take: not taken yet and individually fitting the gap. The
-        # prefix of them whose running length fits is exactly what the walk takes before its next skip.
-        fits = ~taken & (sorted_len > 0) & (sorted_len <= gap[:, None])  # (N, W)
-        running = torch.cumsum(sorted_len * fits, dim=1)  # (N, W)
-        take = fits & (running <= gap[:, None])
-        taken |= take
-        gap = gap - (sorted_len * take).sum(1)
+        # Words HF's walk could still take: free and individually fitting the gap. The prefix of
+        # them whose running length fits is exactly what the walk takes before its next skip.
+        fits = free & (sorted_len <= gap)  # (N, W)
+        running = torch.where(fits, sorted_len, 0).cumsum(1, dtype=torch.int32)  # (N, W)
+        take = fits & (running <= gap)
+        free &= ~take
+        gap = gap - torch.where(take, running, 0).amax(1, keepdim=True)  # running total at the last take
 
+    taken = (sorted_len > 0) & ~free  # (N, W) in visiting order
     chosen = torch.zeros_like(taken).scatter_(1, order, taken)  # (N, W) back in word-id order
     return chosen.gather(1, wid) & maskable  # (N, L) every piece of a chosen word
 
@@ -129,11 +133,6 @@ def counter_hash(seed: torch.Tensor, *counters: torch.Tensor) -> torch.Tensor:
     for c in counters:
         h = _mix32((h + (c.long() & _M32) * 0x9E3779B9 + 0x7F4A7C15) & _M32)
     return h
-
-
-def hash_uniform(seed: torch.Tensor, *counters: torch.Tensor) -> torch.Tensor:
-    """`counter_hash` as float64 in (0, 1)."""
-    return (counter_hash(seed, *counters).double() + 0.5) / 2.0**32
 
 
 def mlm_corrupt(

@@ -41,7 +41,7 @@ from torch import nn
 from transformers import AutoModelForMaskedLM, BertConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 
-from components.data.masking import IGNORE_INDEX, SpecialIds, counter_hash, hash_uniform, whole_word_mask
+from components.data.masking import IGNORE_INDEX, SpecialIds, counter_hash, whole_word_mask
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def decoder_mask_pool(word_ids: torch.Tensor, seed: torch.Tensor, ratio: float, 
     dev = word_ids.device
     p = torch.arange(P, device=dev).view(1, P, 1)
     w = torch.arange(L, device=dev).view(1, 1, L)  # word ids are < L (renumbered per row by the collator)
-    keys = hash_uniform(seed.view(B, 1, 1), torch.tensor(_STREAM_POOL, device=dev), p, w)  # (B, P, L) word priorities
+    keys = counter_hash(seed.view(B, 1, 1), torch.tensor(_STREAM_POOL, device=dev), p, w)  # (B, P, L) int word priorities
     words = word_ids[:, None, :].expand(B, P, L).reshape(B * P, L)  # (B*P, L)
     return whole_word_mask(words, ratio, keys.reshape(B * P, L), passes).view(B, P, L)
 
