@@ -299,7 +299,7 @@ class StageRun:
     def child(self, name: str, tags: dict[str, str] | None = None) -> "StageRun":
         """A nested run under this one (e.g. one REALM index refresh)."""
         return StageRun(name, self.params, [], parent_run_id=self.run_id,
-                        extra_tags={"rr.stage": self.stage, "rr.kind": name, **(tags or {})}, fallback_dir=self.fallback_dir)
+                        extra_tags={"rr.stage": self.stage, "dvc.stage": self.stage, "rr.kind": name, **(tags or {})}, fallback_dir=self.fallback_dir)
 
     # -- logging ------------------------------------------------------------------------------
     def _log_params(self) -> None:
