@@ -179,7 +179,8 @@ def training_curves(run) -> dict[str, list[tuple[float, float]]]:
     exp = run.client.get_experiment_by_name(run.params.tracking.experiment)
     for stage in ("pretrain_retromae", "pretrain_mlm", "pretrain_realm"):
         found = run.client.search_runs([exp.experiment_id], f"tags.`dvc.stage` = '{stage}' and attributes.status = 'FINISHED'",
-                                       order_by=["attributes.start_time DESC"], max_results=1)
+                                       order_by=["attributes.start_time DESC"], max_results=50)
+        found = [r for r in found if "rr.kind" not in r.data.tags]  # the stage run, not its refresh_index children
         if found:
             hist = run.client.get_metric_history(found[0].info.run_id, "loss")
             curves[f"{stage} loss"] = [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)]
