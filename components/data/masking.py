@@ -242,8 +242,10 @@ class MLMCollator:
             "word_ids": padded["word_ids"],
         }
 
-    def __call__(self, rows: Sequence[dict]) -> dict[str, torch.Tensor]:
-        return self.mlm_batch(self.pad(rows), self._gen())
+    def __call__(self, rows: Sequence[dict], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        # The shared Trainer passes a generator seeded from (seed, step, rank, micro-batch): masks then
+        # depend only on the step, so a resumed run draws exactly the masks of an uninterrupted one.
+        return self.mlm_batch(self.pad(rows), generator if generator is not None else self._gen())
 
 
 class RetroMAECollator(MLMCollator):
@@ -257,8 +259,8 @@ class RetroMAECollator(MLMCollator):
         # params: a RetroMAEParams (duck-typed: max_len, encoder_mask_ratio).
         super().__init__(ids, params.encoder_mask_ratio, params.max_len, seed=seed, pad_to_max_len=pad_to_max_len, passes=passes)
 
-    def __call__(self, rows: Sequence[dict]) -> dict[str, torch.Tensor]:
-        g = self._gen()
+    def __call__(self, rows: Sequence[dict], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        g = generator if generator is not None else self._gen()
         padded = self.pad(rows)
         batch = self.mlm_batch(padded, g)
         batch["decoder_input_ids"] = padded["input_ids"]
