@@ -317,6 +317,10 @@ def _read_yaml(path: Path) -> dict:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ParamsError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
+    except (ValueError, RecursionError) as e:  # a scalar YAML cannot build: 2001-02-30, an int over 4300 digits
+        raise ParamsError(f"{path}: a value cannot be read ({type(e).__name__}: {str(e)[:120]}); quote it if it is a string") from None
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
     return raw

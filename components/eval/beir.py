@@ -88,6 +88,9 @@ class _Lines:
                 self.fail(lineno, f"malformed JSON ({e.msg} at column {e.colno})",
                           "write one JSON object per line (JSON Lines), no trailing commas or comments")
                 continue
+            except (ValueError, RecursionError) as e:  # an int over 4300 digits, or nesting past the recursion limit
+                self.fail(lineno, f"unreadable JSON ({type(e).__name__}: {str(e)[:80]})", "write one flat JSON object per line")
+                continue
             if not isinstance(obj, dict):
                 self.fail(lineno, f"expected a JSON object, got {type(obj).__name__}",
                           "write one {...} object per line")
@@ -119,6 +122,17 @@ def _field(lines: _Lines, lineno: int, obj: dict, key: str, kind: type, required
     return value
 
 
+def _fields(lines: _Lines, lineno: int, obj: dict, *specs: tuple[str, type, bool]) -> list | None:
+    """Several `_field`s; stops at the first bad one so a bad line is reported (and counted) once."""
+    out = []
+    for key, kind, required in specs:
+        value = _field(lines, lineno, obj, key, kind, required)
+        if value is _BAD:
+            return None
+        out.append(value)
+    return out
+
+
 def _check_id(lines: _Lines, lineno: int, key: str, value: str, seen: Collection[str]) -> bool:
     if not value.strip() or any(c in value for c in "\t\r\n"):
         lines.fail(lineno, f"{key} {value!r} is empty or contains a tab/newline", "use non-empty single-line ids")
@@ -137,11 +151,10 @@ def read_corpus(path: str | os.PathLike, *, on_error: str = "raise", skipped: li
     lines = _Lines(path, on_error, skipped, "BEIR corpus")
     corpus: dict[str, dict[str, str]] = {}
     for lineno, obj in lines.json_objects():
-        doc_id = _field(lines, lineno, obj, "_id", str)
-        text = _field(lines, lineno, obj, "text", str)
-        title = _field(lines, lineno, obj, "title", str, required=False)
-        if _BAD in (doc_id, text, title):
+        fields = _fields(lines, lineno, obj, ("_id", str, True), ("text", str, True), ("title", str, False))
+        if fields is None:
             continue
+        doc_id, text, title = fields
         if not _check_id(lines, lineno, "_id", doc_id, corpus):
             continue
         corpus[doc_id] = {"title": title or "", "text": text}
@@ -154,10 +167,10 @@ def read_queries(path: str | os.PathLike, *, on_error: str = "raise", skipped: l
     lines = _Lines(path, on_error, skipped, "BEIR queries")
     queries: dict[str, str] = {}
     for lineno, obj in lines.json_objects():
-        qid = _field(lines, lineno, obj, "_id", str)
-        text = _field(lines, lineno, obj, "text", str)
-        if _BAD in (qid, text):
+        fields = _fields(lines, lineno, obj, ("_id", str, True), ("text", str, True))
+        if fields is None:
             continue
+        qid, text = fields
         if not _check_id(lines, lineno, "_id", qid, queries):
             continue
         if not text.strip():
@@ -244,13 +257,11 @@ def read_qa(
     out: list[dict] = []
     seen: set[str] = set()
     for lineno, obj in lines.json_objects():
-        question = _field(lines, lineno, obj, "question", str)
-        answers = _field(lines, lineno, obj, "answers", list)
-        qa_id = _field(lines, lineno, obj, "id", str, required=False)
-        pos = _field(lines, lineno, obj, "positive_ctx", str, required=False)
-        split = _field(lines, lineno, obj, "split", str, required=False)
-        if any(v is _BAD for v in (question, answers, qa_id, pos, split)):
+        fields = _fields(lines, lineno, obj, ("question", str, True), ("answers", list, True), ("id", str, False),
+                         ("positive_ctx", str, False), ("split", str, False))
+        if fields is None:
             continue
+        question, answers, qa_id, pos, split = fields
         qa_id = qa_id if qa_id is not None else f"{lines.path.stem}-{lineno}"
         if not _check_id(lines, lineno, "id", qa_id, seen):
             continue
