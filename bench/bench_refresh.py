@@ -1,0 +1,255 @@
+"""Cost of REALM's `refresh_index` and how much of it the asynchronous refresh hides.
+
+    .venv/bin/python bench/bench_refresh.py                    # data/tokens if present, else a fresh tiny world
+    .venv/bin/python bench/bench_refresh.py --reps 5 --steps 40 --refresh-every 10
+    .venv/bin/python bench/bench_refresh.py --scale 20         # the knowledge corpus repeated 20x (a bigger index)
+
+Three measurements, contenders interleaved round-robin (the order rotates every repetition, so
+drift and other load on the machine hit all alike), median + IQR over `--reps`:
+
+(a) embed: blocks/s of the stage's refresh body (`IndexRefresh.refresh_index`: HF dataset read,
+    `passage_inputs` collation, `encode_passage`, index build, publish) vs a bare
+    `retriever.encode_passage(**batch)` loop over the same blocks, pre-collated outside the clock.
+    Reported: embed-only blocks/s (the refresh's own stats), end-to-end blocks/s, and their ratios
+    to the bare loop (goal: embed ratio >= 0.9).
+(b) train: optimiser steps/s of the shared Trainer on REALM with `refresh_every=0` (none), `async`
+    and `sync` refreshes every `--refresh-every` steps; ratios async/none (goal >= 0.9), sync/none.
+    The clock runs from the end of the initial index build to the end of the last step; the step
+    count avoids a build starting at the last step, so no arm is charged a trailing build.
+(c) hidden: fraction of async refresh time hidden behind training (AsyncRefresher.timing()).
+
+Results merge into bench/results/refresh.json under "<device>/threads=<n>/scale=<k>".
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from components.config import load_params  # noqa: E402
+from components.data.realm_batch import SpecialTokens, passage_inputs  # noqa: E402
+from components.index.faiss_index import IndexStore  # noqa: E402
+from components.index.refresh import snapshot_module  # noqa: E402
+from components.models.realm import REALM, KnowledgeAugmentedEncoder, Retriever  # noqa: E402
+from components.stages import pretrain_realm as stage  # noqa: E402
+from components.training.trainer import Trainer  # noqa: E402
+
+GOAL = 0.9
+
+
+def stats(xs: list[float]) -> dict:
+    q = np.percentile(xs, [25, 50, 75])
+    return {"median": float(q[1]), "q1": float(q[0]), "q3": float(q[2]), "iqr": float(q[2] - q[0]), "values": [float(x) for x in xs]}
+
+
+def world(tokens: Path | None, tmp: Path) -> Path:
+    """data/tokens to read: the given one, or a tiny synthetic world built with params.yaml."""
+    if tokens is not None and (tokens / "blocks").is_dir():
+        return tokens
+    from components.data.prepare import prepare_corpus
+    from components.data.tokenize import tokenize_corpus
+
+    p = load_params(ROOT / "params.yaml")
+    prepare_corpus(p.data, tmp / "corpus")
+    tokenize_corpus(p.tokenize, tmp / "corpus", tmp / "tokens")
+    return tmp / "tokens"
+
+
+def load_blocks(tokens: Path, scale: int):
+    import datasets
+
+    blocks = datasets.load_from_disk(str(tokens / "blocks"))
+    if scale > 1:  # a bigger knowledge corpus: the same blocks under new ids
+        parts = [blocks.map(lambda r, i=i: {"block_id": f"{r['block_id']}#{i}"}) for i in range(scale)]
+        blocks = datasets.concatenate_datasets(parts)
+    return blocks
+
+
+def make_model(params, tokenizer, device) -> REALM:
+    from components.models.retromae import build_encoder
+
+    torch.manual_seed(0)
+    enc = build_encoder(params.retromae.encoder, len(tokenizer), tokenizer.pad_token_id, cls_token_id=tokenizer.cls_token_id,
+                        sep_token_id=tokenizer.sep_token_id, mask_token_id=tokenizer.mask_token_id)
+    p = params.realm
+    return REALM(Retriever.from_config(enc.config, p.retriever_dim, p.share_towers), KnowledgeAugmentedEncoder(enc), p.marginalization).to(device)
+
+
+def refresh_context(blocks, params, special, seed: int = 0) -> stage.RefreshContext:
+    p = params.realm
+    rows = stage.eligible_rows(blocks.select(range(min(len(blocks), 4000))), p, special.mask, seed)
+    qs = stage.fixed_queries(blocks, rows[: p.staleness_probes], p, special, seed)
+    x = stage.collate_queries(qs, p, special)
+    probes = stage.heldout_probes(qs, np.asarray(blocks["doc_id"]), p, special)
+    return stage.RefreshContext(blocks.select_columns(["input_ids"]), np.asarray(blocks["block_id"]), np.asarray(blocks["doc_id"]),
+                                p, special, probes, {k: x[k] for k in ("x_input_ids", "x_attention_mask")})
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) embedding throughput
+# ----------------------------------------------------------------------------------------------
+def bench_embed(model: REALM, blocks, params, special, reps: int, tmp: Path) -> dict:
+    p = params.realm
+    snap = snapshot_module(model.retriever)
+    dev = next(snap.parameters()).device
+    ids = blocks["input_ids"]
+    batches = [passage_inputs(ids[i:i + p.embed_batch_size], p, special) for i in range(0, len(ids), p.embed_batch_size)]
+    batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
+
+    def bare() -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for b in batches:
+                snap.encode_passage(**b)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return len(ids) / (time.perf_counter() - t0)
+
+    ctx = refresh_context(blocks, params, special)
+    runs = {"bare": [], "refresh_embed": [], "refresh_total": []}
+    bare()  # warm-up (allocator, kernels)
+    for rep in range(reps):
+        order = ["bare", "refresh"] if rep % 2 == 0 else ["refresh", "bare"]
+        for arm in order:
+            if arm == "bare":
+                runs["bare"].append(bare())
+            else:
+                r = stage.IndexRefresh(ctx, IndexStore(tmp / f"embed-{rep}"))
+                _, st = r.refresh_index(snap, 0, "bench")
+                runs["refresh_embed"].append(st["blocks_per_s"])
+                runs["refresh_total"].append(len(ids) / st["refresh_seconds"])
+    out = {k: stats(v) for k, v in runs.items()}
+    bare_med = out["bare"]["median"]
+    out["ratio_embed"] = out["refresh_embed"]["median"] / bare_med
+    out["ratio_total"] = out["refresh_total"]["median"] / bare_med
+    out["goal"] = GOAL
+    out["n_blocks"] = len(ids)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) + (c) training throughput with and without refreshes
+# ----------------------------------------------------------------------------------------------
+class Clock:
+    """Hooks that time the training loop from the end of the initial build to the last step."""
+
+    def __init__(self, refresh: stage.IndexRefresh):
+        self.refresh, self.t0, self.t1 = refresh, None, None
+
+    def on_train_start(self, step, trainer):
+        self.refresh.on_train_start(step, trainer)
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, step, trainer):
+        self.refresh.on_step_end(step, trainer)
+        self.t1 = time.perf_counter()
+
+
+def train_arm(base: REALM, blocks, rows, params, special, mode: str, every: int, steps: int, tmp: Path) -> dict:
+    p = params.realm.model_copy(update={"refresh_every": every if mode != "none" else 0,
+                                        "refresh_mode": "sync" if mode == "sync" else "async"})
+    train = params.realm.train.model_copy(update={"max_steps": steps, "checkpoint_every": 10 ** 6, "warmup_ratio": 0.0})
+    model = copy.deepcopy(base)
+    store = IndexStore(tmp / "index")
+    ctx = refresh_context(blocks, params, special)
+    ctx.p = p
+    refresh = stage.IndexRefresh(ctx, store)
+    clock = Clock(refresh)
+    collator = stage.RealmCollator(blocks, p, special, model.retriever, store)
+    trainer = Trainer(model, rows, collator, train, params.compute, tmp, hooks={"on_train_start": clock.on_train_start,
+                      "on_step_end": clock.on_step_end}, param_prefix="realm.train", progress=False)
+    trainer.fit()
+    timing = refresh.finish(trainer) if mode != "none" else {}
+    return {"steps_per_s": steps / (clock.t1 - clock.t0), "timing": timing,
+            "refreshes": sum(1 for r in refresh.history if r.get("reason") == "cadence" and r.get("ok"))}
+
+
+def bench_train(base: REALM, blocks, params, special, reps: int, steps: int, every: int, tmp: Path) -> dict:
+    rows = stage.eligible_rows(blocks, params.realm, special.mask, 0)
+    arms = ["none", "async", "sync"]
+    runs: dict[str, list] = {a: [] for a in arms}
+    for rep in range(reps):
+        order = arms[rep % 3:] + arms[: rep % 3]
+        for arm in order:
+            runs[arm].append(train_arm(base, blocks, rows, params, special, arm, every, steps, tmp / f"{arm}-{rep}"))
+    out = {a: {**stats([r["steps_per_s"] for r in runs[a]]), "refreshes": [r["refreshes"] for r in runs[a]]} for a in arms}
+    out["ratio_async"] = out["async"]["median"] / out["none"]["median"]
+    out["ratio_sync"] = out["sync"]["median"] / out["none"]["median"]
+    fr = [r["timing"]["fraction_hidden"] for r in runs["async"] if r["timing"].get("build_s")]
+    out["fraction_hidden"] = stats(fr) if fr else None
+    out["async_build_s"] = stats([r["timing"]["build_s"] for r in runs["async"]])
+    out["async_blocked_s"] = stats([r["timing"]["blocked_s"] for r in runs["async"]])
+    out["sync_build_s"] = stats([r["timing"]["build_s"] for r in runs["sync"]])
+    out["goal"] = GOAL
+    out["steps"], out["refresh_every"] = steps, every
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=Path, default=ROOT / "data/tokens")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=45, help="training steps per arm (not a multiple of --refresh-every)")
+    ap.add_argument("--refresh-every", type=int, default=10)
+    ap.add_argument("--scale", type=int, default=1, help="repeat the knowledge corpus this many times")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["embed", "train"])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/refresh.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from components.data.tokenize import load_tokenizer
+
+    params = load_params(ROOT / "params.yaml", overrides={"compute.device": args.device})
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        tokens = world(args.tokens, tmp)
+        tokenizer = load_tokenizer(tokens / "tokenizer")
+        special = SpecialTokens.from_tokenizer(tokenizer)
+        blocks = load_blocks(tokens, args.scale)
+        device = torch.device(args.device)
+        base = make_model(params, tokenizer, device)
+        result = {"n_blocks": len(blocks), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                  "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg(), "reps": args.reps,
+                  "encoder": params.retromae.encoder.model_dump(), "realm": {k: getattr(params.realm, k) for k in
+                  ("retriever_dim", "top_k", "query_len", "block_len", "embed_batch_size")}, "batch_size": params.realm.train.batch_size}
+        if "embed" not in args.skip:
+            result["embed"] = bench_embed(base, blocks, params, special, args.reps, tmp)
+            e = result["embed"]
+            print(f"(a) embed: bare {e['bare']['median']:.0f} blocks/s, refresh embed {e['refresh_embed']['median']:.0f} "
+                  f"(ratio {e['ratio_embed']:.3f}), refresh end-to-end {e['refresh_total']['median']:.0f} (ratio {e['ratio_total']:.3f})", flush=True)
+        if "train" not in args.skip:
+            result["train"] = bench_train(base, blocks, params, special, args.reps, args.steps, args.refresh_every, tmp)
+            t = result["train"]
+            fh = t["fraction_hidden"]["median"] if t["fraction_hidden"] else float("nan")
+            print(f"(b) train steps/s: none {t['none']['median']:.3f}, async {t['async']['median']:.3f} (ratio {t['ratio_async']:.3f}), "
+                  f"sync {t['sync']['median']:.3f} (ratio {t['ratio_sync']:.3f})\n(c) async fraction hidden {fh:.3f}", flush=True)
+        result["load_avg_end"] = os.getloadavg()
+    key = f"{args.device}/threads={torch.get_num_threads()}/scale={args.scale}"
+    all_results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    all_results[key] = result
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = args.out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(all_results, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp_out, args.out)
+    print(f"wrote {args.out} [{key}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""The `pretrain_realm` stage body on a tiny synthetic world: index refresh (sync and async), the
+swap at step boundaries, a failing refresh, resume after a kill, outputs, MLflow child runs, and
+(slow) the Prefect flow with its `refresh_index` subflows."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+import components.stages.pretrain_realm as stage
+from components.data.realm_batch import SpecialTokens, passage_inputs
+from components.index.faiss_index import BlockIndex, IndexStore
+from components.models.realm import REALM, Retriever
+from components.stages.common import checkpoint_dir
+from components.tracking import StageRun
+from tests.conftest import ROOT, TINY, tiny_params
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures: one tiny world per module, one fresh workspace (cwd) per test
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """data/corpus + data/tokens (the real stage functions) and a RetroMAE-shaped encoder folder."""
+    from components.data.prepare import prepare_corpus
+    from components.data.tokenize import load_tokenizer, tokenize_corpus
+    from components.models.retromae import build_encoder, save_pretrained_encoder
+
+    root = tmp_path_factory.mktemp("realm_world")
+    p = tiny_params()
+    prepare_corpus(p.data, root / "data/corpus")
+    tokenize_corpus(p.tokenize, root / "data/corpus", root / "data/tokens")
+    tok = load_tokenizer(root / "data/tokens/tokenizer")
+    torch.manual_seed(0)
+    enc = build_encoder(p.retromae.encoder, len(tok), tok.pad_token_id, cls_token_id=tok.cls_token_id,
+                        sep_token_id=tok.sep_token_id, mask_token_id=tok.mask_token_id)
+    save_pretrained_encoder(enc, tok, root / "models/retromae/encoder")
+    return root
+
+
+@pytest.fixture
+def ws(world, tmp_path, monkeypatch) -> Path:
+    """A workspace: data/ and models/retromae shared with the world, everything else fresh."""
+    (tmp_path / "models").mkdir()
+    os.symlink(world / "data", tmp_path / "data")
+    os.symlink(world / "models/retromae", tmp_path / "models/retromae")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{world}/mlflow.db")
+    monkeypatch.delenv("RR_PARENT_RUN_ID", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    return tmp_path
+
+
+def run_stage(**overrides) -> tuple[dict, str, object]:
+    p = tiny_params(**overrides)
+    with StageRun("pretrain_realm", p, ["realm"]) as run:
+        summary = stage.train_realm(p, run, log_artifacts=False)
+    return summary, run.run_id, p
+
+
+def mlflow_client() -> MlflowClient:
+    return MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+
+
+def refresh_children(run_id: str) -> list:
+    c = mlflow_client()
+    exp = c.get_experiment_by_name("retro-realm")
+    runs = c.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+    return sorted([r for r in runs if r.data.tags.get("rr.kind") == "refresh_index"], key=lambda r: r.info.start_time)
+
+
+def metric_steps(run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in mlflow_client().get_metric_history(run_id, key))
+
+
+def plot_rows() -> list[dict]:
+    with open("plots/realm_refresh.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ----------------------------------------------------------------------------------------------
+# unit pieces
+# ----------------------------------------------------------------------------------------------
+def test_ict_collator_removes_the_query_sentence_from_its_context(world):
+    import datasets
+
+    from components.data.tokenize import load_tokenizer
+
+    p = tiny_params().realm
+    blocks = datasets.load_from_disk(str(world / "data/tokens/blocks"))
+    sp = SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
+    rows = stage.ict_eligible_rows(blocks)[:6]
+    assert rows, "the synthetic world has multi-sentence blocks"
+
+    def unpad(ids, mask):
+        return ids[mask.bool()].tolist()[1:-1]  # drop [CLS] / [SEP]
+
+    for rate in (1.0, 0.0):
+        b = stage.ICTCollator(blocks, p, sp, rate)(rows, generator=torch.Generator().manual_seed(3))
+        for i, r in enumerate(rows):
+            ids = list(blocks[r]["input_ids"])
+            spans = stage.sentence_token_spans(blocks[r]["text"], blocks[r]["offsets"])
+            assert len(spans) >= 2
+            q, d = unpad(b["q_input_ids"][i], b["q_attention_mask"][i]), unpad(b["d_input_ids"][i], b["d_attention_mask"][i])
+            hits = [(s, e) for s, e in spans if ids[s:e][: p.query_len - 2] == q]
+            assert hits, "the query is one of the block's sentences"
+            s, e = hits[0]
+            want = (ids[:s] + ids[e:]) if rate == 1.0 else ids
+            assert d == want[: p.block_len - 2]
+
+
+def test_probe_retrieval_recall_and_rank():
+    emb = np.eye(4, dtype=np.float32)
+    index = BlockIndex.build(emb, ["b0", "b1", "b2", "b3"], "flat")
+    doc = np.asarray(["d0", "d0", "d1", "d2"])
+    q = np.asarray([[0, 0, 1, 0.5], [0, 0, 0.2, 1.0]], dtype=np.float32)  # ranks: d1 first; d2 first
+    out = stage.probe_retrieval(q, index, [{"d1"}, {"d0"}], doc, k=1)
+    assert out["recall_at_k"] == 0.5
+    assert out["mean_rank"] == pytest.approx((1 + 3) / 2)  # second query: b3, b2, then a d0 block
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage body
+# ----------------------------------------------------------------------------------------------
+def test_sync_refresh_outputs_child_runs_and_step_boundary_swap(ws):
+    summary, run_id, p = run_stage(**{"realm.refresh_mode": "sync", "realm.retriever_init": "retromae"})
+
+    assert summary["step"] == 4 and summary["refreshes"] == 2 and summary["failures"] == 0
+    assert summary["retriever_init"] == "retromae" and summary["knowledge_augmented_encoder_init"] == "retromae"
+    assert 0.0 <= summary["recall_at_k"] <= 1.0 and summary["probe_set"] == "dev_questions"
+    assert json.loads(Path("metrics/pretrain_realm.json").read_text())["refreshes"] == 2
+
+    # the index a step searched: v1 for steps 1-2, the step-2 refresh from step 3 on
+    assert [v for _, v in metric_steps(run_id, "index_version")] == [1, 1, 2, 2]
+    assert [s for s, _ in metric_steps(run_id, "probe_recall_at_k")] == [0, 2, 4]
+
+    rows = plot_rows()
+    assert {"step", "version", "recall_at_k", "mean_rank", "staleness", "refresh_seconds"} <= set(rows[0])
+    assert [int(r["step"]) for r in rows] == [0, 2, 4]
+    assert [int(r["version"]) for r in rows] == [1, 2, 3]
+
+    kids = refresh_children(run_id)
+    assert [k.data.tags["rr.refresh_reason"] for k in kids] == ["initial", "cadence", "cadence"]
+    assert [int(k.data.tags["rr.index_version"]) for k in kids] == [1, 2, 3]
+    for k in kids:
+        m = k.data.metrics
+        assert m["blocks_per_s"] > 0 and m["tokens_per_s"] > 0 and m["index_size"] > 0 and m["refresh_seconds"] > 0
+        assert k.info.status == "FINISHED"
+    assert all(0.0 <= k.data.metrics["staleness"] <= 1.0 for k in kids[1:])
+    stage_run = mlflow_client().get_run(run_id)
+    assert stage_run.data.tags["realm.retriever_init"] == "retromae"
+
+    # outputs load back, and the final index holds exactly the saved retriever's block embeddings
+    first, final = BlockIndex.load("models/realm/index/first"), BlockIndex.load("models/realm/index/final")
+    assert (first.version, first.step) == (1, 0) and (final.version, final.step) == (3, 4)
+    retriever = Retriever.from_pretrained("models/realm/retriever").eval()
+    REALM.from_pretrained("models/realm")
+    import datasets
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    AutoModelForMaskedLM.from_pretrained("models/realm/knowledge_augmented_encoder")
+    tok = AutoTokenizer.from_pretrained("models/realm/knowledge_augmented_encoder")
+    blocks = datasets.load_from_disk("data/tokens/blocks")
+    x = passage_inputs(blocks[:5]["input_ids"], p.realm, SpecialTokens.from_tokenizer(tok))
+    with torch.no_grad():
+        emb = retriever.encode_passage(x["input_ids"], x["attention_mask"]).numpy()
+    np.testing.assert_allclose(emb, final.embeddings()[:5], rtol=1e-4, atol=1e-4)
+    assert len(final) == len(blocks) and list(final.ids[:5]) == blocks[:5]["block_id"]
+
+
+def test_async_refresh_builds_in_the_background_ict_init(ws, monkeypatch):
+    threads = []
+    real_embed = stage.embed_blocks
+
+    def spy(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return real_embed(*a, **kw)
+
+    monkeypatch.setattr(stage, "embed_blocks", spy)
+    summary, run_id, _ = run_stage(**{"realm.refresh_mode": "async", "realm.retriever_init": "ict",
+                                      "realm.train.max_steps": 6})
+
+    assert summary["retriever_init"] == "ict" and summary["ict_steps"] == 2
+    assert any(t.startswith("refresh_index@") for t in threads), threads  # cadence builds off the training thread
+    assert summary["refreshes"] >= 1 and summary["failures"] == 0
+    assert 0.0 <= summary["fraction_hidden"] <= 1.0 and summary["refresh_build_s"] > 0
+    rows = plot_rows()
+    versions = [int(r["version"]) for r in rows]
+    assert versions == sorted(set(versions)) and int(rows[-1]["step"]) == 6
+    kids = refresh_children(run_id)
+    cadence = [k for k in kids if k.data.tags["rr.refresh_reason"] == "cadence"]
+    assert cadence and all("staleness" in k.data.metrics and k.data.metrics["blocks_per_s"] > 0 for k in cadence)
+    assert BlockIndex.load("models/realm/index/final").step == 6
+    assert mlflow_client().get_run(run_id).data.tags["realm.retriever_init"] == "ict"
+
+
+def test_failed_refresh_keeps_the_old_index_and_the_next_cadence_succeeds(ws, monkeypatch):
+    calls = []
+    real_embed = stage.embed_blocks
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the first cadence refresh (step 2); the initial build is call 1
+            raise RuntimeError("injected embed failure")
+        return real_embed(*a, **kw)
+
+    monkeypatch.setattr(stage, "embed_blocks", flaky)
+    summary, run_id, _ = run_stage(**{"realm.refresh_mode": "sync", "realm.retriever_init": "random",
+                                      "realm.train.max_steps": 6})
+
+    assert summary["failures"] == 1 and summary["refreshes"] == 2
+    # steps 1-4 searched v1 (the step-2 refresh failed), steps 5-6 the step-4 refresh
+    assert [v for _, v in metric_steps(run_id, "index_version")] == [1, 1, 1, 1, 2, 2]
+    assert [s for s, _ in metric_steps(run_id, "refresh_failed")] == [2]
+    assert [int(r["step"]) for r in plot_rows()] == [0, 4, 6]
+    kids = refresh_children(run_id)
+    assert [k.info.status for k in kids] == ["FINISHED", "FAILED", "FINISHED", "FINISHED"]
+
+
+def test_resume_after_a_kill_rebuilds_from_resumed_weights_and_ignores_partial_index(ws, monkeypatch):
+    overrides = {"realm.refresh_mode": "sync", "realm.retriever_init": "random", "realm.train.max_steps": 4}
+    real_forward = REALM.forward
+    calls = []
+
+    def dies_at_step_3(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")  # what a kill looks like to the stage (after step 2's checkpoint)
+        return real_forward(self, batch)
+
+    monkeypatch.setattr(REALM, "forward", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(**overrides)
+    monkeypatch.setattr(REALM, "forward", real_forward)
+
+    root = checkpoint_dir("pretrain_realm", tiny_params(**overrides), ["realm", "retromae"]) / "index"
+    assert IndexStore(root).versions() == [1, 2]
+    # a half-written index from the kill: a valid-looking index of the wrong dim that would break search if loaded
+    BlockIndex.build(np.eye(3, dtype=np.float32), None, "flat").save(root / ".tmp-v0009")
+
+    summary, run_id, _ = run_stage(**overrides)
+    assert summary["resumed_from"] == 2 and summary["step"] == 4
+    assert not (root / ".tmp-v0009").exists() and 9 not in IndexStore(root).versions()
+    kids = refresh_children(run_id)
+    assert [(k.data.tags["rr.refresh_reason"], int(k.data.metrics["step"])) for k in kids] == [("initial", 2), ("cadence", 4)]
+    assert [int(k.data.tags["rr.index_version"]) for k in kids] == [3, 4]
+    assert [v for _, v in metric_steps(run_id, "index_version")] == [3, 3]  # steps 3-4 searched the rebuilt index
+    rows = plot_rows()  # the history spans the kill
+    assert [(int(r["step"]), int(r["version"])) for r in rows] == [(0, 1), (2, 2), (2, 3), (4, 4)]
+    assert BlockIndex.load("models/realm/index/first").version == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the Prefect flow
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_flow_runs_each_refresh_as_a_prefect_subflow(ws, shared_prefect_api, monkeypatch):
+    from flows.pipeline import apply_param_overrides
+
+    (ws / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    apply_param_overrides({**TINY, "realm.refresh_mode": "async", "realm.train.max_steps": 4}, path=str(ws / "params.yaml"))
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_api, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "flows.pretrain_realm"], cwd=ws, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    c = mlflow_client()
+    exp = c.get_experiment_by_name("retro-realm")
+    runs = c.search_runs([exp.experiment_id], filter_string="attributes.run_name = 'pretrain_realm'",
+                         order_by=["attributes.start_time DESC"], max_results=1)
+    assert runs and runs[0].info.status == "FINISHED"
+    run_id, parent_flow = runs[0].info.run_id, runs[0].data.tags["prefect.flow_run_id"]
+    assert {"retriever", "knowledge_augmented_encoder", "index_final", "model_card.md"} <= {a.path for a in c.list_artifacts(run_id)}
+    assert c.get_run(run_id).data.metrics["refreshes"] >= 1  # the flow logs the stage summary
+    kids = refresh_children(run_id)
+    assert kids and all(k.data.tags.get("prefect.flow_run_id") for k in kids)
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    monkeypatch.setenv("PREFECT_API_URL", shared_prefect_api)
+    sub_ids = [k.data.tags["prefect.flow_run_id"] for k in kids]
+    with get_client(sync_client=True) as client:
+        subs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=sub_ids)))
+        assert len(subs) == len(kids)
+        for fr in subs:
+            assert client.read_flow(fr.flow_id).name == "refresh_index"
+            assert fr.state.is_completed() and fr.parent_task_run_id is not None
+            assert str(client.read_task_run(fr.parent_task_run_id).flow_run_id) == parent_flow  # a true subflow of the stage flow
+    assert BlockIndex.load(ws / "models/realm/index/final").step == 4
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_build_alike_and_only_rank0_publishes(ws):
+    """compute.nproc=2 under torchrun (gloo): every rank builds its own index, rank 0 alone publishes
+    and writes the outputs, so versions are 1..n with no gaps or doubles."""
+    from components.training.distributed import torchrun_command
+    from flows.pipeline import apply_param_overrides
+
+    (ws / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    overrides = {**TINY, "compute.nproc": 2, "realm.refresh_mode": "sync", "realm.retriever_init": "random", "realm.train.max_steps": 4}
+    apply_param_overrides(overrides, path=str(ws / "params.yaml"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RR_PARAMS": "params.yaml"}
+    out = subprocess.run(torchrun_command("components.stages.pretrain_realm", [], nproc=2), cwd=ws, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    summary = json.loads((ws / "metrics/pretrain_realm.json").read_text())
+    assert summary["step"] == 4 and summary["refreshes"] == 2
+    assert [(int(r["step"]), int(r["version"])) for r in plot_rows()] == [(0, 1), (2, 2), (4, 3)]
+    root = checkpoint_dir("pretrain_realm", tiny_params(**overrides), ["realm", "retromae"]) / "index"
+    assert IndexStore(root).versions() == [1, 2, 3]  # pruning keeps first + last two; no second publisher
+    assert BlockIndex.load(ws / "models/realm/index/final").step == 4
