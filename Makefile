@@ -18,7 +18,7 @@ run: setup  ## the main job: the whole pipeline (dvc repro) on the embedded defa
 	$(PY) -m flows.pipeline
 
 test: setup  ## the full test suite (slow tests included; < 15 min on 2 cores)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup  ## unit + stage tests only
 	$(PY) -m pytest -q -m "not slow"

@@ -370,8 +370,8 @@ class AsyncRefresher:
             self._t["callback_s"] += time.perf_counter() - t0
         return result
 
-    def wait(self, timeout: float | None = None, step: int | None = None) -> RefreshResult | None:
-        """Block until the in-flight build finishes (counted as blocked time), then `poll`."""
+    def _join(self, timeout: float | None) -> None:
+        """Join the in-flight worker, if any; the wait counts as blocked time."""
         with self._lock:
             thread = self._thread
         if thread is not None:
@@ -380,18 +380,15 @@ class AsyncRefresher:
             waited = time.perf_counter() - t0
             self._t["wait_s"] += waited
             self._wait_in_current += waited
+
+    def wait(self, timeout: float | None = None, step: int | None = None) -> RefreshResult | None:
+        """Block until the in-flight build finishes (counted as blocked time), then `poll`."""
+        self._join(timeout)
         return self.poll(step)
 
     def close(self, timeout: float | None = None) -> None:
         """Join the worker (a result it produced stays available to one more `poll`)."""
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            t0 = time.perf_counter()
-            thread.join(timeout)
-            waited = time.perf_counter() - t0
-            self._t["wait_s"] += waited
-            self._wait_in_current += waited
+        self._join(timeout)
 
     def __enter__(self) -> "AsyncRefresher":
         return self
