@@ -134,8 +134,8 @@ def bench_embed(model: REALM, blocks, params, special, reps: int, tmp: Path) -> 
                 runs["refresh_total"].append(len(ids) / st["refresh_seconds"])
     out = {k: stats(v) for k, v in runs.items()}
     bare_med = out["bare"]["median"]
-    out["ratio_embed"] = out["refresh_embed"]["median"] / bare_med
-    out["ratio_total"] = out["refresh_total"]["median"] / bare_med
+    out["embed_ratio"] = out["refresh_embed"]["median"] / bare_med  # the goal's ratio (bench/run_all.py reads it)
+    out["refresh_total_ratio"] = out["refresh_total"]["median"] / bare_med
     out["goal"] = GOAL
     out["n_blocks"] = len(ids)
     return out
@@ -187,10 +187,11 @@ def bench_train(base: REALM, blocks, params, special, reps: int, steps: int, eve
         for arm in order:
             runs[arm].append(train_arm(base, blocks, rows, params, special, arm, every, steps, tmp / f"{arm}-{rep}"))
     out = {a: {**stats([r["steps_per_s"] for r in runs[a]]), "refreshes": [r["refreshes"] for r in runs[a]]} for a in arms}
-    out["ratio_async"] = out["async"]["median"] / out["none"]["median"]
-    out["ratio_sync"] = out["sync"]["median"] / out["none"]["median"]
+    out["async_over_none"] = out["async"]["median"] / out["none"]["median"]
+    out["sync_over_none"] = out["sync"]["median"] / out["none"]["median"]
     fr = [r["timing"]["fraction_hidden"] for r in runs["async"] if r["timing"].get("build_s")]
-    out["fraction_hidden"] = stats(fr) if fr else None
+    out["fraction_hidden_stats"] = stats(fr) if fr else None
+    out["fraction_hidden"] = out["fraction_hidden_stats"]["median"] if fr else None
     out["async_build_s"] = stats([r["timing"]["build_s"] for r in runs["async"]])
     out["async_blocked_s"] = stats([r["timing"]["blocked_s"] for r in runs["async"]])
     out["sync_build_s"] = stats([r["timing"]["build_s"] for r in runs["sync"]])
@@ -233,13 +234,15 @@ def main() -> None:
             result["embed"] = bench_embed(base, blocks, params, special, args.reps, tmp)
             e = result["embed"]
             print(f"(a) embed: bare {e['bare']['median']:.0f} blocks/s, refresh embed {e['refresh_embed']['median']:.0f} "
-                  f"(ratio {e['ratio_embed']:.3f}), refresh end-to-end {e['refresh_total']['median']:.0f} (ratio {e['ratio_total']:.3f})", flush=True)
+                  f"(ratio {e['embed_ratio']:.3f}), refresh end-to-end {e['refresh_total']['median']:.0f} "
+                  f"(ratio {e['refresh_total_ratio']:.3f})", flush=True)
         if "train" not in args.skip:
             result["train"] = bench_train(base, blocks, params, special, args.reps, args.steps, args.refresh_every, tmp)
             t = result["train"]
-            fh = t["fraction_hidden"]["median"] if t["fraction_hidden"] else float("nan")
-            print(f"(b) train steps/s: none {t['none']['median']:.3f}, async {t['async']['median']:.3f} (ratio {t['ratio_async']:.3f}), "
-                  f"sync {t['sync']['median']:.3f} (ratio {t['ratio_sync']:.3f})\n(c) async fraction hidden {fh:.3f}", flush=True)
+            fh = t["fraction_hidden"] if t["fraction_hidden"] is not None else float("nan")
+            print(f"(b) train steps/s: none {t['none']['median']:.3f}, async {t['async']['median']:.3f} "
+                  f"(ratio {t['async_over_none']:.3f}), sync {t['sync']['median']:.3f} (ratio {t['sync_over_none']:.3f})\n"
+                  f"(c) async fraction hidden {fh:.3f}", flush=True)
         result["load_avg_end"] = os.getloadavg()
     key = f"{args.device}/threads={torch.get_num_threads()}/scale={args.scale}"
     all_results = json.loads(args.out.read_text()) if args.out.is_file() else {}
