@@ -64,6 +64,8 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
     else:
         model = MLMModel.from_params(sec.encoder, ids)
         collate = MLMCollator(ids, params.mlm.mask_ratio, sec.max_len, seed=params.compute.seed)
+    # Join the process group first: before it exists every torchrun rank would call itself rank 0.
+    D.init_distributed(params.compute)
     if D.is_rank0():
         save_pretrained_encoder(model, tokenizer, out / "init_encoder")
     trainer = Trainer(model, data, collate, sec.train, params.compute, checkpoint_dir(stage, params, ["retromae"] if stage == "pretrain_retromae" else ["retromae", "mlm"]),
