@@ -109,3 +109,15 @@ def shared_prefect_api(tmp_path_factory):
         yield url
     if saved:
         os.environ["PREFECT_API_URL"] = saved
+
+
+def overfit(model, batch, optimizer, steps: int = 25) -> list[float]:
+    """Train `model` on one fixed batch; returns the loss of every step (for "loss falls" tests)."""
+    losses = []
+    for _ in range(steps):
+        out = model(batch)
+        optimizer.zero_grad()
+        out["loss"].backward()
+        optimizer.step()
+        losses.append(out["loss"].item())
+    return losses

@@ -4,6 +4,7 @@ the fine-tuning data (pairs, BM25 / dense hard negatives, deterministic collatio
 
 from __future__ import annotations
 
+from tests.conftest import overfit
 import json
 import math
 import os
@@ -182,14 +183,7 @@ def test_loss_falls_on_a_tiny_overfit_batch(tok, corpus_dir):
     pairs = load_pairs(corpus_dir, "train")
     pairs = [{**r, "negatives": ["d4", "d5", "d6"]} for r in pairs]
     batch = BiEncoderCollator(tok, 16, 24, 1, load_corpus(corpus_dir))(pairs, torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(25):
-        out = model(batch)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(out["loss"].item())
+    losses = overfit(model, batch, torch.optim.AdamW(model.parameters(), lr=3e-3))
     assert losses[-1] < 0.3 * losses[0], losses
     assert model(batch)["acc"].item() == 1.0
 

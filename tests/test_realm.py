@@ -3,6 +3,7 @@ source-block exclusion, save/load, and a tiny overfit."""
 
 from __future__ import annotations
 
+from tests.conftest import overfit
 import numpy as np
 import pytest
 import torch
@@ -286,14 +287,7 @@ def test_retriever_from_encoder_folder(tmp_path):
 def test_loss_falls_on_a_tiny_overfit_batch(mode):
     model = make_model(mode, share_towers=True).train()
     batch = make_batch()
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(25):
-        out = model(batch)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(out["loss"].item())
+    losses = overfit(model, batch, torch.optim.Adam(model.parameters(), lr=3e-3))
     assert losses[-1] < 0.3 * losses[0], losses
     assert model(batch)["mlm_acc"].item() == 1.0
 
