@@ -10,16 +10,15 @@ import re
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import BertConfig, PreTrainedTokenizerFast
 
+from components.data.tokenize import train_wordpiece
 from components.eval.metrics import normalize_answer
 from components.models.biencoder import BiEncoder
 from components.models.reader import (
     MISSING_ROW, NULL_ROW, OpenQA, QACollator, SpanReader, find_answer_spans, word_boundaries,
 )
 
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 BLOCKS = [
     "Thutax kept a ferret as a pet and played the bassoon.",  # 0
     "Sesger was founded by Thutax and competes with Tikrex.",  # 1
@@ -43,15 +42,8 @@ QLEN, PLEN, K, A, D = 16, 40, 3, 4, 32
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
-    """A tiny lower-casing BERT WordPiece tokenizer trained here (no network)."""
-    t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    t.normalizer = normalizers.BertNormalizer(lowercase=True)
-    t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    t.decoder = decoders.WordPiece()
-    t.train_from_iterator((BLOCKS + [r["question"] for r in ROWS]) * 3,
-                          trainers.WordPieceTrainer(vocab_size=160, min_frequency=1, special_tokens=SPECIALS))
-    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
+    """The tokenize stage's WordPiece trainer on this file's texts (no network)."""
+    return train_wordpiece((BLOCKS + [r["question"] for r in ROWS]) * 3, vocab_size=160, min_frequency=1)
 
 
 @pytest.fixture(scope="module")

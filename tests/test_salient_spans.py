@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from components.config import RealmParams
 from components.data.realm_batch import IGNORE_INDEX, make_query, salient_token_spans
 from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans, resolve_tagger
+from components.data.tokenize import train_wordpiece
 
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 TEXTS = [
     "On 12 March 1875 Zorvan Teluk crossed the New Ardel River with 1,200 soldiers.",
     "The expedition lasted 3.5 years and ended in 1879 near the village of Kessa.",
@@ -22,13 +22,10 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def wordpiece() -> Tokenizer:
-    """A tiny lower-casing BERT WordPiece tokenizer trained here (no network)."""
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=150, min_frequency=1, special_tokens=SPECIALS)
-    tok.train_from_iterator(TEXTS * 3, trainer)
+    """The tokenize stage's tiny WordPiece trainer, as a bare `tokenizers.Tokenizer` with no
+    [CLS]/[SEP] template (blocks are stored without specials)."""
+    tok = train_wordpiece(TEXTS * 3, vocab_size=150, min_frequency=1).backend_tokenizer
+    tok.post_processor = None
     return tok
 
 
