@@ -6,12 +6,16 @@
 
 A step is zero_grad + forward + backward + AdamW.step. Arms (each its own copy of the same
 initial encoder and its own AdamW), run interleaved round-robin so drift hits all alike:
-    retromae   components.models.retromae.RetroMAE (encoder MLM + one-layer enhanced decoder)
-    mlm_hf     transformers BertForMaskedLM(labels=...) as is (head on every position)
-    mlm        components.models.mlm.MLMModel (the project's MLM baseline; head on masked positions)
+    retromae      components.models.retromae.RetroMAE (encoder MLM + one-layer enhanced decoder), as
+                  trained: its fast path (last encoder layer and decoder output layers only where a
+                  loss reads them, head fused with its cross-entropy)
+    retromae_ref  the same model with `fast_path = False`: the straightforward computation the
+                  tests hold the fast path to (same loss and gradients); before/after in one run
+    mlm_hf        transformers BertForMaskedLM(labels=...) as is (head on every position)
+    mlm           components.models.mlm.MLMModel (the project's MLM baseline; same fast path)
 Reports the median and IQR per arm (wall and process CPU time), tokens/s (non-pad tokens / median
-wall step) and the ratios retromae/mlm_hf (goal <= 1.10) and retromae/mlm, plus the FLOP ratio
-(torch FlopCounterMode), which no load on a shared box can disturb. Results merge into bench/results/step.json under "<shape>/<device>/<precision>/t<threads>".
+wall step) and the ratios retromae/mlm_hf (goal <= 1.10), retromae_ref/mlm_hf and retromae/mlm,
+plus the FLOP ratio (torch FlopCounterMode), which no load on a shared box can disturb. Results merge into bench/results/step.json under "<shape>/<device>/<precision>/t<threads>".
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ def make_arms(shape: dict, ids: SpecialIds, params: RetroMAEParams, device: torc
     arms = {}
     retro = RetroMAE(copy.deepcopy(encoder), params).to(device)
     arms["retromae"] = (retro, lambda m, b: m(b)["loss"])
+    ref = copy.deepcopy(retro)
+    ref.fast_path = False
+    arms["retromae_ref"] = (ref, lambda m, b: m(b)["loss"])
     hf = copy.deepcopy(encoder).to(device)
     arms["mlm_hf"] = (hf, lambda m, b: m(input_ids=b["encoder_input_ids"], attention_mask=b["attention_mask"], labels=b["encoder_labels"]).loss)
     arms["mlm"] = (MLMModel(copy.deepcopy(encoder)).to(device), lambda m, b: m(b)["loss"])
@@ -179,15 +186,28 @@ def main(argv: list[str] | None = None) -> dict:
     stats = {name: summarize(t, tokens) for name, t in wall.items()}
     cpu_stats = {name: summarize(t, tokens) for name, t in cpu.items()}
 
-    def ratios(st: dict) -> tuple[float, float]:
-        return st["retromae"]["median_s"] / st["mlm_hf"]["median_s"], st["retromae"]["median_s"] / st["mlm"]["median_s"]
+    def ratios(st: dict) -> tuple[float, float, float]:
+        med = {name: s["median_s"] for name, s in st.items()}
+        return med["retromae"] / med["mlm_hf"], med["retromae"] / med["mlm"], med["retromae_ref"] / med["mlm_hf"]
 
-    ratio_hf, ratio_mlm = ratios(stats)
-    cpu_ratio_hf, cpu_ratio_mlm = ratios(cpu_stats)
+    def paired(times: dict[str, list[float]], num: str) -> dict:
+        # per-round ratios (both arms in the same round, seconds apart): their spread says how
+        # far load drift moved the ratio, which the ratio of medians hides
+        r = np.array(times[num]) / np.array(times["mlm_hf"])
+        q1, med, q3 = np.percentile(r, [25, 50, 75])
+        return {"median": med, "q1": q1, "q3": q3}
+
+    spread = {f"{kind}_{num}_vs_mlm_hf": paired(t, num) for kind, t in (("wall", wall), ("cpu_time", cpu))
+              for num in ("retromae", "retromae_ref")}
+    ratio_hf, ratio_mlm, ratio_ref = ratios(stats)
+    cpu_ratio_hf, cpu_ratio_mlm, cpu_ratio_ref = ratios(cpu_stats)
     for name, s in stats.items():
-        print(f"{name:9s} median {s['median_s'] * 1e3:9.2f} ms  IQR {s['iqr_s'] * 1e3:8.2f} ms  {s['tokens_per_s']:10.0f} tok/s"
+        print(f"{name:12s} median {s['median_s'] * 1e3:9.2f} ms  IQR {s['iqr_s'] * 1e3:8.2f} ms  {s['tokens_per_s']:10.0f} tok/s"
               f"  | cpu-time median {cpu_stats[name]['median_s'] * 1e3:9.2f} ms  | {flops[name] / 1e9:8.2f} GFLOP fwd+bwd")
     print(f"ratio retromae/mlm_hf: wall {ratio_hf:.3f}  cpu-time {cpu_ratio_hf:.3f}  FLOPs {flops['retromae'] / flops['mlm_hf']:.3f}  (goal <= {GOAL})")
+    print("per-round ratios, median [q1, q3]: " + "  ".join(
+        f"{k} {v['median']:.3f} [{v['q1']:.3f}, {v['q3']:.3f}]" for k, v in spread.items()))
+    print(f"ratio retromae_ref/mlm_hf: wall {ratio_ref:.3f}  cpu-time {cpu_ratio_ref:.3f}  FLOPs {flops['retromae_ref'] / flops['mlm_hf']:.3f}  (fast_path off)")
     print(f"ratio retromae/mlm   : wall {ratio_mlm:.3f}  cpu-time {cpu_ratio_mlm:.3f}  FLOPs {flops['retromae'] / flops['mlm']:.3f}")
 
     result = {
@@ -198,6 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_retromae_vs_mlm_hf": ratio_hf, "ratio_retromae_vs_mlm": ratio_mlm,
         "cpu_time_ratio_retromae_vs_mlm_hf": cpu_ratio_hf, "cpu_time_ratio_retromae_vs_mlm": cpu_ratio_mlm,
         "flop_ratio_retromae_vs_mlm_hf": flops["retromae"] / flops["mlm_hf"], "flop_ratio_retromae_vs_mlm": flops["retromae"] / flops["mlm"],
+        "ratio_retromae_ref_vs_mlm_hf": ratio_ref, "cpu_time_ratio_retromae_ref_vs_mlm_hf": cpu_ratio_ref,
+        "flop_ratio_retromae_ref_vs_mlm_hf": flops["retromae_ref"] / flops["mlm_hf"],
+        "paired_ratios": spread,
         "goal": GOAL,
         "params": {name: sum(p.numel() for p in m.parameters()) for name, (m, _, _) in arms.items()},
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -21,7 +21,7 @@ from components.config import EncoderParams, RetroMAEParams
 from components.data.masking import IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialIds
 from components.models.mlm import MLMModel
 from components.models.retromae import (
-    RetroMAE, build_encoder, decoder_mask_pool, decoder_row_choice, position_specific_mask,
+    RetroMAE, _last_layer_slots, build_encoder, decoder_mask_pool, decoder_row_choice, position_specific_mask,
     save_pretrained_encoder,
 )
 
@@ -166,6 +166,70 @@ def test_batched_decoder_equals_per_row_reference(h1_mode):
     torch.testing.assert_close(fast_logits[list(b_idx), list(i_idx)], ref_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out["loss_dec"], ref_loss, atol=1e-5, rtol=1e-5)
     assert len(where) == int((batch["word_ids"] >= 0).sum())  # every real token, no specials/pad
+
+
+def unmask_rows(batch: dict, which) -> dict:
+    """Undo the MLM corruption of rows `which` (their encoder input = the original, no labels)."""
+    lab = batch["encoder_labels"][which]
+    batch["encoder_input_ids"][which] = torch.where(lab != IGNORE_INDEX, lab, batch["encoder_input_ids"][which])
+    batch["encoder_labels"][which] = IGNORE_INDEX
+    return batch
+
+
+def fast_and_slow_step(make_model, batch: dict) -> tuple[list[dict], list[dict]]:
+    """One forward + backward with `fast_path` True, then False, from the same initial weights."""
+    outs, grads = [], []
+    for fast in (True, False):
+        torch.manual_seed(0)
+        model = make_model().train()
+        model.fast_path = fast
+        out = model(batch)
+        out["loss"].backward()
+        outs.append(out)
+        grads.append({n: w.grad for n, w in model.named_parameters()})
+    return outs, grads
+
+
+@pytest.mark.parametrize("h1_mode,min_len,unmasked", [
+    ("raw", 1, [1]), ("embedding", 1, [1]),
+    ("raw", 30, []),  # no padding anywhere: HF passes no attention mask at all
+    ("raw", 1, slice(None)),  # nothing masked in the batch: L_enc is an empty mean (0)
+])
+def test_fast_path_equals_straightforward_step(h1_mode, min_len, unmasked):
+    """The fast path (last encoder layer at [CLS] + masked positions only, decoder output layers at
+    target rows only, Q(h1) from B + L rows, vocabulary projection fused with the CE) against the
+    plain computation (`fast_path = False`): same losses, metrics and gradients of every weight,
+    in training mode. Row 1 unmasked: its MLM draw has nothing, yet its [CLS] feeds the decoder."""
+    p = params(h1_mode=h1_mode)  # dropout 0: both paths see the same function
+    batch = unmask_rows(RetroMAECollator(IDS, p, seed=7)(rows(5, 30, 7, min_len=min_len)), unmasked)
+    outs, grads = fast_and_slow_step(lambda: RetroMAE.from_params(p, IDS), batch)
+    for key in outs[1]:
+        torch.testing.assert_close(outs[0][key], outs[1][key], atol=1e-5, rtol=1e-5, msg=key)
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[1].items():
+        assert g is not None and grads[0][name] is not None, name
+        torch.testing.assert_close(grads[0][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_mlm_fast_path_equals_straightforward_step():
+    p = params()
+    batch = unmask_rows(MLMCollator(IDS, 0.3, 32, seed=3)(rows(4, 30, 3)), [2])
+    outs, grads = fast_and_slow_step(lambda: MLMModel.from_params(p.encoder, IDS), batch)
+    for key in outs[1]:
+        torch.testing.assert_close(outs[0][key], outs[1][key], atol=1e-5, rtol=1e-5, msg=key)
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_last_layer_slots_follow_the_label_order():
+    labels = torch.full((3, 6), IGNORE_INDEX)
+    labels[0, [4, 2]] = 7
+    labels[2, [1, 3, 5]] = 8  # row 1: nothing masked
+    slots, rows = _last_layer_slots(labels)
+    assert slots.tolist() == [[0, 2, 4, 0], [0, 0, 0, 0], [0, 1, 3, 5]]
+    flat = slots[:, 1:].reshape(-1)[rows]
+    want = (labels != IGNORE_INDEX).nonzero()[:, 1]  # positions in `_predicted_positions` order
+    assert flat.tolist() == want.tolist()
 
 
 def test_forward_contract_and_encoder_loss():

@@ -7,8 +7,9 @@
     out["loss"].backward()
 
 Same forward contract as `RetroMAE` (a dict of scalar tensors: loss, loss_enc, acc_enc, num_tokens),
-same batch keys (encoder_input_ids, attention_mask, encoder_labels), same head code path (the MLM
-head runs on the masked positions only), so the two stages differ only by the decoder.
+same batch keys (encoder_input_ids, attention_mask, encoder_labels), same encoder and head code path
+(`encode_for_losses`: last layer and MLM head at the masked positions only, the head fused with its
+CE), so the two stages differ only by the decoder.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from components.data.masking import SpecialIds
-from components.models.retromae import _predicted_positions, build_encoder, cls_embedding, mlm_head, token_cross_entropy
+from components.models.retromae import (
+    _predicted_positions, build_encoder, cls_embedding, encode_for_losses, head_token_losses, mlm_head, token_losses,
+)
 
 
 class MLMModel(nn.Module):
@@ -30,6 +33,7 @@ class MLMModel(nn.Module):
         super().__init__()
         mlm_head(encoder)  # fail early on an unsupported encoder family
         self.encoder = encoder
+        self.fast_path = True  # as RetroMAE.fast_path: False = the straightforward computation
 
     @classmethod
     def from_params(cls, enc: Any, ids: SpecialIds) -> "MLMModel":
@@ -44,7 +48,11 @@ class MLMModel(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids, attn, labels = batch["encoder_input_ids"], batch["attention_mask"], batch["encoder_labels"]  # (B, L)
         pos = _predicted_positions(labels)  # (N,) masked positions
-        hidden = self.encoder.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, L, H)
-        logits = mlm_head(self.encoder)(hidden.reshape(-1, hidden.size(-1))[pos])  # (N, V)
-        loss, acc = token_cross_entropy(logits, labels.reshape(-1)[pos])
-        return {"loss": loss, "loss_enc": loss.detach(), "acc_enc": acc, "num_tokens": attn.sum()}
+        # RetroMAE's encoder side exactly: last layer at the masked positions, head fused with the CE
+        _, hidden = encode_for_losses(self.encoder, ids, attn, labels, self.fast_path)  # (N, H)
+        head, y = mlm_head(self.encoder), labels.reshape(-1)[pos]  # (N,)
+        if self.fast_path:
+            loss, (mean,), (acc,) = head_token_losses(head, hidden, y, [pos.numel()])
+        else:
+            loss, (mean,), (acc,) = token_losses(head(hidden), y, [pos.numel()])  # (N, V) logits
+        return {"loss": loss, "loss_enc": mean.detach(), "acc_enc": acc, "num_tokens": attn.sum()}

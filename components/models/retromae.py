@@ -38,8 +38,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForMaskedLM, BertConfig, PreTrainedModel
+from transformers import AutoModelForMaskedLM, BertConfig, BertModel, PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.masking_utils import create_bidirectional_mask
 
 from components.data.masking import IGNORE_INDEX, SpecialIds, counter_hash, whole_word_mask
 
@@ -143,22 +144,182 @@ def cls_embedding(encoder: PreTrainedModel, input_ids: torch.Tensor, attention_m
     return body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, 0]  # (B, H)
 
 
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean CE and accuracy over already-selected positions: logits (N, V), labels (N,).
-    N = 0 gives a zero loss that is still attached to the graph (the step stays valid)."""
-    if labels.numel() == 0:
-        zero = logits.sum() * 0.0
-        return zero, zero.detach()
-    loss = F.cross_entropy(logits.float(), labels)
-    acc = (logits.detach().max(-1).indices == labels).float().mean()  # max(): ~4x faster than argmax on CPU
-    return loss, acc
-
-
 def _predicted_positions(labels: torch.Tensor) -> torch.Tensor:
     # Flat indices (N,) of positions that carry a label. This is a host sync (the count decides
     # the shape); it is done before the encoder runs, so it costs no idle time mid-step, and it
     # lets the (V x H) head run on ~30% (encoder) of the positions instead of all of them.
     return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Mean CE and accuracy per group of consecutive rows of already-selected logits (N, V), labels
+    (N,): (sum of the group mean CEs, [mean CE], [acc]), one entry per group of `sizes` rows. An
+    empty group gives a zero loss that is still attached to the graph (the step stays valid).
+    One CE over all rows, then per-group means of the (N,) row losses: splitting the (N, V) logits
+    instead would make autograd concatenate (N, V) gradients back.
+    hit: max(), ~4x faster than argmax on CPU."""
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")  # (N,)
+    hit = (logits.detach().max(-1).indices == labels).float()  # (N,)
+    means = [c.sum() / max(n, 1) for c, n in zip(ce.split(sizes), sizes)]
+    accs = [h.sum() / max(n, 1) for h, n in zip(hit.split(sizes), sizes)]
+    return sum(means), means, accs
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """loss = sum_i w_i * CE(x_i W^T + b, y_i), with per-row CE and hits as by-products.
+
+    The (N, V) logits are the largest tensor of a step, and the plain route (linear, log_softmax,
+    NLL, then autograd's NLL/log_softmax/bias backward) streams them through memory a dozen times.
+    Here the gradient is formed in the forward, chunk of rows by chunk, from the softmax made in
+    place of the log-probabilities; the row weights and the onehot part are applied on the
+    (c, H) / (V, H) sides, never on the (c, V) block. Backward only scales the stored gradients
+    by the incoming one (the loss is linear in them). Same GEMMs as the plain route; same values
+    to float rounding (tests/test_retromae.py compares the two).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, row_weight, need_grad: bool, chunk: int):
+        N, V = x.size(0), weight.size(0)
+        dev = x.device
+        # the dtype HF's Linear would compute the logits in (bf16 under autocast), CE math in fp32
+        cdt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x.dtype
+        w, b = weight.to(cdt), None if bias is None else bias.to(cdt)
+        ce = torch.empty(N, dtype=torch.float32, device=dev)
+        hit = torch.empty(N, dtype=torch.bool, device=dev)
+        if need_grad:
+            gx = torch.empty(x.shape, dtype=torch.float32, device=dev)  # (N, H)
+            gw = torch.zeros(weight.shape, dtype=torch.float32, device=dev)  # (V, H)
+            gb = torch.zeros(V, dtype=torch.float32, device=dev)  # (V,)
+        for s in range(0, N, chunk):
+            xc, yc = x[s : s + chunk].to(cdt), labels[s : s + chunk]  # (c, H), (c,)
+            z = F.linear(xc, w, b).float()  # (c, V)
+            hit[s : s + chunk] = z.max(-1).indices == yc  # max(): ~4x faster than argmax on CPU
+            # log_softmax works row by row (a row of V floats stays in L1), one pass over z
+            logp = torch.log_softmax(z, -1)  # (c, V)
+            del z
+            ce[s : s + chunk] = -logp.gather(1, yc[:, None]).squeeze(1)
+            if not need_grad:
+                continue
+            # dCE/dz = softmax - onehot(y). The onehot part touches one weight row per token, so it
+            # is applied on the (c, H) / (V, H) side, sparsely; the (c, V) block is only exp'ed.
+            p = logp.exp_().to(cdt)  # (c, V) softmax, in place
+            wc = row_weight[s : s + chunk, None]  # (c, 1)
+            xw = xc.float() * wc  # (c, H)
+            gx[s : s + chunk] = (p @ w).float() * wc - w[yc].float() * wc
+            if gw.dtype == cdt:
+                # (V, H) += (V, c) @ (c, H) without a (V, H) temporary; the out= form, not
+                # addmm_, because torch's FlopCounterMode (bench_step) does not see addmm_
+                torch.addmm(gw, p.t(), xw, out=gw)
+            else:
+                gw += p.t() @ xw.to(cdt)
+            gw.index_add_(0, yc, xw, alpha=-1.0)
+            gb += wc.squeeze(1) @ p.float()  # (V,)
+            gb.index_add_(0, yc, wc.squeeze(1), alpha=-1.0)
+        ctx.save_for_backward(*((gx, gw, gb) if need_grad else ()))
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(ce, hit)
+        return (ce * row_weight).sum(), ce, hit
+
+    @staticmethod
+    def backward(ctx, grad, _ce, _hit):
+        gx, gw, gb = ctx.saved_tensors
+        dx, dw, db = ctx.dtypes
+        return ((gx * grad).to(dx), (gw * grad).to(dw), None if db is None else (gb * grad).to(db),
+                None, None, None, None)
+
+
+def head_token_losses(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """`token_losses(head(hidden), labels, sizes)` by `_LinearCrossEntropy`: the head's transform
+    (dense, act, LayerNorm) runs under autograd, its vocabulary projection and the CE fused.
+    (differentiable sum of the group mean CEs, [mean CE] (detached), [acc]); hidden (N, H)."""
+    pred = head.predictions
+    x = pred.transform(hidden)  # (N, H)
+    out = pred.decoder
+    V, H = out.weight.shape
+    w = torch.cat([torch.full((n,), 1.0 / max(n, 1), device=x.device) for n in sizes])  # (N,) 1/n per group
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, out.weight, out.bias))
+    # Rows per chunk: enough that the (V, H) weight and its gradient, re-read per chunk, cost less
+    # than the passes over the (c, V) logits they keep in cache (c > H); ~4 MiB of logits per chunk.
+    chunk = max(2 * H, (4 << 20) // (4 * V)) if x.device.type == "cpu" else max(x.size(0), 1)
+    total, ce, hit = _LinearCrossEntropy.apply(x, out.weight, out.bias, labels, w, need_grad, chunk)
+    means = [c.sum() / max(n, 1) for c, n in zip(ce.split(sizes), sizes)]  # detached values
+    accs = [h.float().sum() / max(n, 1) for h, n in zip(hit.split(sizes), sizes)]
+    return total, means, accs
+
+
+def _last_layer_slots(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which positions of each row the encoder's last layer must output, for `encode_for_losses`.
+
+    labels (B, L) -> slots (B, K) positions: slot 0 is [CLS] (the sentence embedding), slots 1..
+    the row's labelled positions in increasing order, filled up with 0 (a repeat of [CLS], computed
+    and dropped); K = 1 + the most labels in a row (a host sync, taken before the encoder runs).
+    rows (Ne,): flat indices into slots[:, 1:] of the real labelled slots, in the row-major order
+    of `_predicted_positions(labels)`.
+    """
+    B, L = labels.shape
+    labelled = labels != IGNORE_INDEX  # (B, L)
+    counts = labelled.sum(1)  # (B,)
+    K = 1 + int(counts.max()) if B else 1
+    pos = torch.arange(L, device=labels.device).expand(B, L)
+    # labelled positions first, each group in position order (the keys are distinct: a plain sort is exact)
+    first = torch.where(labelled, pos, pos + L).sort(1).values[:, : K - 1]  # (B, K-1)
+    real = torch.arange(K - 1, device=labels.device).view(1, -1) < counts.view(B, 1)  # (B, K-1)
+    slots = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=labels.device), first.masked_fill(~real, 0)], 1)
+    return slots, real.reshape(-1).nonzero().squeeze(1)
+
+
+def _bert_layer_at(layer: nn.Module, x: torch.Tensor, slots: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """One HF BertLayer whose outputs are needed at `slots` (B, K) only: keys and values still come
+    from every position of x (B, L, H), but queries, the attention output, the FFN and both
+    LayerNorms run on K positions per row. Position-wise, so exactly the layer's outputs there.
+    key_mask: None or (B, 1, 1, L) bool (True = may attend), as HF's SDPA mask per query row."""
+    B, L, H = x.shape
+    K = slots.size(1)
+    att = layer.attention.self
+    nh, hd = att.num_attention_heads, att.attention_head_size
+    xs = x.gather(1, slots.unsqueeze(-1).expand(B, K, H))  # (B, K, H)
+    q = att.query(xs).view(B, K, nh, hd).transpose(1, 2)  # (B, nh, K, hd)
+    k = att.key(x).view(B, L, nh, hd).transpose(1, 2)  # (B, nh, L, hd)
+    v = att.value(x).view(B, L, nh, hd).transpose(1, 2)
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=att.scaling,
+                                         dropout_p=att.dropout.p if att.training else 0.0)  # (B, nh, K, hd)
+    a = layer.attention.output(ctx.transpose(1, 2).reshape(B, K, H), xs)  # dense, dropout, LayerNorm(+ xs)
+    return layer.output(layer.intermediate(a), a)  # (B, K, H)
+
+
+def _can_restrict_last_layer(encoder: PreTrainedModel) -> bool:
+    # `_bert_layer_at` re-implements BertLayer's self-attention call for a 4-D (or no) mask;
+    # anything else (a decoder config, cross-attention, flash-attention's 2-D masks, another
+    # family) takes the full forward.
+    base = encoder.base_model
+    cfg = base.config
+    return (type(base) is BertModel and not cfg.is_decoder and not cfg.add_cross_attention
+            and cfg._attn_implementation in ("sdpa", "eager"))
+
+
+def encode_for_losses(encoder: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      labels: torch.Tensor, fast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoder's outputs that feed a loss: the sentence embedding (B, 1, H) and the last-layer
+    states (Ne, H) at the labelled positions, in `_predicted_positions(labels)` order.
+
+    fast: nothing reads the last layer at any other position (the MLM head reads labelled
+    positions, RetroMAE's decoder reads [CLS]), so that layer computes its queries, attention
+    output and FFN at [CLS] + the labelled ~30% only; its keys and values still cover every
+    position, and every earlier layer runs in full. Same outputs as the full forward, to rounding.
+    """
+    bert = encoder.base_model
+    if not (fast and _can_restrict_last_layer(encoder)):
+        hidden = bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
+        return hidden[:, :1], hidden.reshape(-1, hidden.size(-1))[_predicted_positions(labels)]
+    slots, rows = _last_layer_slots(labels)  # (B, K), (Ne,)
+    x = bert.embeddings(input_ids=input_ids)  # (B, L, H)
+    # the mask BertModel would build: None without padding, else (B, 1, L, L) bool, the same for every query row
+    mask = create_bidirectional_mask(config=bert.config, inputs_embeds=x, attention_mask=attention_mask)
+    *body, last = bert.encoder.layer
+    for layer in body:
+        x = layer(x, mask)  # (B, L, H)
+    out = _bert_layer_at(last, x, slots, None if mask is None else mask[:, :, :1])  # (B, K, H)
+    return out[:, :1], out[:, 1:].reshape(-1, out.size(-1))[rows]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,15 +406,28 @@ class EnhancedDecoderLayer(nn.Module):
         B, L, H = x.shape
         return x.view(B, L, self.num_heads, H // self.num_heads).transpose(1, 2)  # (B, nh, L, hd)
 
-    def forward(self, h1: torch.Tensor, h2: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        B, L, H = h1.shape  # h1, h2: (B, L, H); visible: (B, L, L) bool
-        q, k, v = self._heads(self.query(h1)), self._heads(self.key(h2)), self._heads(self.value(h2))
+    def forward(self, h1: torch.Tensor, h2: torch.Tensor, visible: torch.Tensor,
+                query: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """h1, h2: (B, L, H); visible: (B, L, L) bool -> (B, L, H), or (N, H) with `rows`.
+
+        query: Q(h1) (B, L, H) when the caller has a cheaper way to it (see `enhanced_decoding`).
+        rows:  flat indices (N,) into B*L of the query positions whose outputs are wanted (those
+               with a target). After the attention every op is per position, so the output
+               projection, both LayerNorms and the FFN run on N rows instead of B*L.
+        """
+        B, L, H = h1.shape
+        q = self._heads(self.query(h1) if query is None else query)
+        k, v = self._heads(self.key(h2)), self._heads(self.value(h2))
         ctx = F.scaled_dot_product_attention(
             q, k, v, attn_mask=visible[:, None], dropout_p=self.attn_dropout if self.training else 0.0
         )  # (B, nh, L, hd); the mask broadcasts over heads
-        ctx = ctx.transpose(1, 2).reshape(B, L, H)  # (B, L, H)
+        ctx = ctx.transpose(1, 2).reshape(B * L, H)  # (B*L, H)
+        h1 = h1.reshape(B * L, H)
+        if rows is not None:
+            ctx, h1 = ctx[rows], h1[rows]  # (N, H)
         x = self.attn_norm(h1 + self.dropout(self.attn_out(ctx)))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(self.act(self.ffn_in(x)))))  # (B, L, H)
+        out = self.ffn_norm(x + self.dropout(self.ffn_out(self.act(self.ffn_in(x)))))  # (B*L | N, H)
+        return out if rows is not None else out.view(B, L, H)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +453,11 @@ class RetroMAE(nn.Module):
         self.encoder = encoder
         self.decoder = EnhancedDecoderLayer(encoder.config)
         self.decoder_mask_ratio, self.mask_pool_size, self.h1_mode, self.passes = decoder_mask_ratio, mask_pool_size, h1_mode, passes
+        # True: skip the work no loss reads and fuse the head with its CE (`encode_for_losses`,
+        # `EnhancedDecoderLayer.forward`, `enhanced_decoding`, `head_token_losses`). False: the
+        # straightforward computation, kept as the reference that tests/test_retromae.py holds
+        # the fast path to (same losses and gradients).
+        self.fast_path = True
 
     @classmethod
     def from_params(cls, params: Any, ids: SpecialIds) -> "RetroMAE":
@@ -312,8 +491,10 @@ class RetroMAE(nn.Module):
         choice = decoder_row_choice(seed, attention_mask, pool.size(1))  # (B, L)
         return position_specific_mask(pool, choice, attention_mask)  # (B, L, L)
 
-    def enhanced_decoding(self, cls: torch.Tensor, decoder_input_ids: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Decoder states (B, L, H) from the sentence embedding `cls` (B, 1, H) and the original ids."""
+    def enhanced_decoding(self, cls: torch.Tensor, decoder_input_ids: torch.Tensor, visible: torch.Tensor,
+                          rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder states (B, L, H) from the sentence embedding `cls` (B, 1, H) and the original ids;
+        (N, H) at the flat positions `rows` (N,) only, when given (the fast path)."""
         B, L = decoder_input_ids.shape
         emb = self.embeddings
         # H2, content stream: the sentence embedding in slot 0, then the embeddings of the original
@@ -321,12 +502,22 @@ class RetroMAE(nn.Module):
         content = emb(input_ids=decoder_input_ids)  # (B, L, H) word + position + type, LayerNorm, dropout
         h2 = torch.cat([cls, content[:, 1:]], dim=1)  # (B, L, H)
         # H1, query stream: the same sentence embedding at every position, told apart only by p_i.
+        query = None
         if self.h1_mode == "raw":  # reference code: e_[CLS] + p_i, no LayerNorm
             pos = emb.position_embeddings(torch.arange(L, device=cls.device))  # (L, H)
             h1 = cls + pos.unsqueeze(0)  # (B, L, H)
+            if self.fast_path:
+                # Q is linear: Q(e_[CLS] + p_i) = Q(e_[CLS]) + W_q p_i, B + L rows through the
+                # GEMM instead of B * L.
+                query = self.decoder.query(cls) + F.linear(pos, self.decoder.query.weight)  # (B, L, H)
         else:  # FlagEmbedding: through the embedding module (+ type emb, LayerNorm, dropout)
             h1 = emb(inputs_embeds=cls.expand(B, L, -1))  # (B, L, H)
-        return self.decoder(h1, h2, visible)  # (B, L, H)
+        return self.decoder(h1, h2, visible, query=query, rows=rows)  # (B, L, H) | (N, H)
+
+    def encode_for_losses(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 1, H) sentence embedding and (Ne, H) last-layer states at the labelled positions."""
+        return encode_for_losses(self.encoder, input_ids, attention_mask, labels, self.fast_path)
 
     # -- training ------------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -337,22 +528,28 @@ class RetroMAE(nn.Module):
             seed = torch.randint(0, 2**31 - 1, (enc_ids.size(0),), device=enc_ids.device)
         enc_labels = batch["encoder_labels"]  # (B, L) original id at masked positions, else -100
         dec_labels = dec_ids.masked_fill(word_ids < 0, IGNORE_INDEX)  # (B, L) every real token; no specials/pad
+        # Index work (host syncs: counts decide shapes) happens before the encoder runs, so it
+        # costs no idle time mid-step on a GPU.
         enc_pos, dec_pos = _predicted_positions(enc_labels), _predicted_positions(dec_labels)  # (Ne,), (Nd,)
         visible = self.decoder_attention_mask(word_ids, attn, seed)  # (B, L, L), built while the queue is empty
 
-        hidden = self.encoder.base_model(input_ids=enc_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
-        cls = hidden[:, :1]  # (B, 1, H) sentence embedding, computed on the *masked* input
-        dec_hidden = self.enhanced_decoding(cls, dec_ids, visible)  # (B, L, H)
+        cls, enc_hidden = self.encode_for_losses(enc_ids, attn, enc_labels)  # (B, 1, H) on the *masked* input, (Ne, H)
+        if self.fast_path:
+            dec_hidden = self.enhanced_decoding(cls, dec_ids, visible, rows=dec_pos)  # (Nd, H)
+        else:
+            dec_hidden = self.enhanced_decoding(cls, dec_ids, visible).reshape(-1, cls.size(-1))[dec_pos]  # (Nd, H)
 
         # One pass of the shared head over both streams' predicted positions: a single GEMM with
         # the tied (V, H) weight (and a single one for its gradient) instead of two.
-        H = hidden.size(-1)
-        rows = torch.cat([hidden.reshape(-1, H)[enc_pos], dec_hidden.reshape(-1, H)[dec_pos]])  # (Ne+Nd, H)
-        enc_logits, dec_logits = self.head(rows).split([enc_pos.numel(), dec_pos.numel()])  # (Ne, V), (Nd, V)
-        loss_enc, acc_enc = token_cross_entropy(enc_logits, enc_labels.reshape(-1)[enc_pos])
-        loss_dec, acc_dec = token_cross_entropy(dec_logits, dec_labels.reshape(-1)[dec_pos])
+        rows = torch.cat([enc_hidden, dec_hidden])  # (Ne+Nd, H)
+        labels = torch.cat([enc_labels.reshape(-1)[enc_pos], dec_labels.reshape(-1)[dec_pos]])  # (Ne+Nd,)
+        sizes = [enc_pos.numel(), dec_pos.numel()]
+        if self.fast_path:
+            loss, (loss_enc, loss_dec), (acc_enc, acc_dec) = head_token_losses(self.head, rows, labels, sizes)
+        else:
+            loss, (loss_enc, loss_dec), (acc_enc, acc_dec) = token_losses(self.head(rows), labels, sizes)  # (Ne+Nd, V) logits
         return {
-            "loss": loss_enc + loss_dec,
+            "loss": loss,
             "loss_enc": loss_enc.detach(),
             "loss_dec": loss_dec.detach(),
             "acc_enc": acc_enc,
