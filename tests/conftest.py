@@ -6,19 +6,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# Keep test processes small and offline on 2-core machines (set before torch / HF are imported).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from components.config import Params, load_params
+import flows  # noqa: E402,F401  (the pipeline's own no-telemetry / quiet env defaults)
+import pytest  # noqa: E402
+
+from components.config import Params, load_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# Keep test processes small and offline on 2-core machines.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("DO_NOT_TRACK", "true")
-os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 # The real servers (S3, MLflow, Prefect), started on free loopback ports by session fixtures.
 pytest_plugins = ["tests.servers"]
