@@ -31,6 +31,7 @@ class BM25Retriever:
         self.k1, self.b, self.method = k1, b, method
         self.doc_ids: list[str] = []
         self._texts: list[str] = []
+        self._normalized: list[str | None] = []  # " normalised text " per doc, filled on first use
 
     # ------------------------------------------------------------------------------------------
     def fit(self, doc_ids: Sequence[str], texts: Sequence[str]) -> "BM25Retriever":
@@ -48,11 +49,20 @@ class BM25Retriever:
         self.index = bm25s.BM25(k1=self.k1, b=self.b, method=self.method)
         self.index.index(corpus_tokens, show_progress=False)
         self.doc_ids, self._texts = doc_ids, texts
+        self._normalized = [None] * len(texts)
         # id_rank[i] = position of doc i in sorted(doc_ids): the tie-breaker (doc id ascending).
         order = sorted(range(len(doc_ids)), key=doc_ids.__getitem__)
         self._id_rank = np.empty(len(doc_ids), dtype=np.int64)
         self._id_rank[order] = np.arange(len(doc_ids))
         return self
+
+    def _normalized_text(self, j: int) -> str:
+        """Doc j after SQuAD answer normalisation, padded with spaces for whole-word `in` tests.
+        Cached: mining checks the same top passages for thousands of queries, and normalising a
+        passage (four regex passes) costs far more than the BM25 scoring itself."""
+        if self._normalized[j] is None:
+            self._normalized[j] = f" {normalize_answer(self._texts[j])} "
+        return self._normalized[j]
 
     def scores(self, query: str) -> np.ndarray:
         """BM25 score of every document for one query, in fit order. (N,) float32."""
@@ -133,7 +143,7 @@ class BM25Retriever:
                         break
                     if self.doc_ids[j] in pos:
                         continue
-                    if golds and any(g in f" {normalize_answer(self._texts[j])} " for g in golds):
+                    if golds and any(g in self._normalized_text(j) for g in golds):
                         continue
                     negs.append(self.doc_ids[j])
                 if len(negs) == k or depth >= len(self.doc_ids) or (len(top) and s[top[-1]] <= 0 and not allow_zero_score):
