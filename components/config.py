@@ -208,6 +208,8 @@ class RealmParams(_Section):
     staleness_k: int = Field(5, ge=1)
     ict_steps: int = Field(50, ge=0)
     ict_mask_rate: float = Field(0.9, ge=0, le=1)
+    heldout_queries: int = Field(64, ge=0, description="blocks kept out of training (at most 1/4 of the eligible): "
+                                 "held-out masked-token accuracy and recall probes")
     train: TrainParams = TrainParams(batch_size=8, lr=1e-4, max_steps=40, checkpoint_every=10)
 
 

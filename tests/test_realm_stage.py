@@ -129,6 +129,30 @@ def test_probe_retrieval_recall_and_rank():
     assert out["mean_rank"] == pytest.approx((1 + 3) / 2)  # second query: b3, b2, then a d0 block
 
 
+def test_probe_retrieval_leaves_out_the_source_block():
+    emb = np.eye(3, dtype=np.float32)
+    index = BlockIndex.build(emb, ["b0", "b1", "b2"], "flat")
+    q = np.asarray([[1.0, 0.5, 0.2]], dtype=np.float32)  # b0, b1, b2
+    keys = np.asarray(["b0", "b1", "b2"])
+    assert stage.probe_retrieval(q, index, [{"b0"}], keys, k=1)["recall_at_k"] == 1.0
+    out = stage.probe_retrieval(q, index, [{"b2"}], keys, k=1, exclude=[0])  # b0 gone: b1 first, b2 second
+    assert out["recall_at_k"] == 0.0 and out["mean_rank"] == 2.0
+
+
+def test_heldout_gold_is_the_other_blocks_holding_the_masked_answer():
+    from components.data.realm_batch import RealmQuery
+
+    blocks = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 6, 7]}, {"input_ids": [7, 6, 1]}, {"input_ids": [6, 7, 6]}]
+    q = RealmQuery(input_ids=[5, 4, 4, 8], labels=[-100, 6, 7, -100], source_row=0, masked=(1, 3), masked_positions=[1, 2])
+    assert stage.answer_blocks([q], blocks) == [{1, 3}]  # the span in order, never the source block
+    p = tiny_params().realm
+    sp = SpecialTokens(cls=2, sep=3, pad=0, mask=4)
+    pr = stage.heldout_probes([q], blocks, np.asarray(["a", "b", "c", "d"]), p, sp)
+    assert pr.level == "block" and pr.gold == [{"b", "d"}] and pr.exclude == [0]
+    lonely = RealmQuery(input_ids=[4], labels=[99], source_row=2, masked=(0, 1), masked_positions=[0])
+    assert stage.heldout_probes([lonely], blocks, np.asarray(["a", "b", "c", "d"]), p, sp) is None  # unanswerable: dropped
+
+
 # ----------------------------------------------------------------------------------------------
 # the stage body
 # ----------------------------------------------------------------------------------------------
@@ -138,11 +162,14 @@ def test_sync_refresh_outputs_child_runs_and_step_boundary_swap(ws):
     assert summary["step"] == 4 and summary["refreshes"] == 2 and summary["failures"] == 0
     assert summary["retriever_init"] == "retromae" and summary["knowledge_augmented_encoder_init"] == "retromae"
     assert 0.0 <= summary["recall_at_k"] <= 1.0 and summary["probe_set"] == "dev_questions"
+    assert summary["heldout_n"] > 0 and 0.0 <= summary["heldout_recall_at_k_start"] <= 1.0
+    assert 0.0 <= summary["eval_mlm_acc_start"] <= 1.0 and 0.0 <= summary["heldout_recall_at_k"] <= 1.0
     assert json.loads(Path("metrics/pretrain_realm.json").read_text())["refreshes"] == 2
 
     # the index a step searched: v1 for steps 1-2, the step-2 refresh from step 3 on
     assert [v for _, v in metric_steps(run_id, "index_version")] == [1, 1, 2, 2]
     assert [s for s, _ in metric_steps(run_id, "probe_recall_at_k")] == [0, 2, 4]
+    assert [s for s, _ in metric_steps(run_id, "heldout_recall_at_k")] == [0, 2, 4]
 
     rows = plot_rows()
     assert {"step", "version", "recall_at_k", "mean_rank", "staleness", "refresh_seconds"} <= set(rows[0])
@@ -204,6 +231,16 @@ def test_async_refresh_builds_in_the_background_ict_init(ws, monkeypatch):
     assert mlflow_client().get_run(run_id).data.tags["realm.retriever_init"] == "ict"
 
 
+def test_refresh_every_zero_never_refreshes_during_training(ws):
+    summary, run_id, _ = run_stage(**{"realm.refresh_mode": "sync", "realm.retriever_init": "random", "realm.refresh_every": 0})
+
+    assert summary["step"] == 4 and summary["refreshes"] == 0 and "mean_staleness" not in summary
+    assert [v for _, v in metric_steps(run_id, "index_version")] == [1, 1, 1, 1]  # every step searched the step-0 index
+    # the final index is still rebuilt from the final weights (for the outputs and the fresh-index figures)
+    assert [(int(r["step"]), r["reason"]) for r in plot_rows()] == [(0, "initial"), (4, "final")]
+    assert "heldout_recall_at_k_train_index" in summary and "eval_mlm_acc_train_index" in summary
+
+
 def test_failed_refresh_keeps_the_old_index_and_the_next_cadence_succeeds(ws, monkeypatch):
     calls = []
     real_embed = stage.embed_blocks
@@ -233,8 +270,8 @@ def test_resume_after_a_kill_rebuilds_from_resumed_weights_and_ignores_partial_i
     calls = []
 
     def dies_at_step_3(self, batch):
-        calls.append(1)
-        if len(calls) == 3:
+        calls.append(1) if self.training else None  # training steps only (the held-out eval runs in eval mode)
+        if self.training and len(calls) == 3:
             raise KeyboardInterrupt("killed")  # what a kill looks like to the stage (after step 2's checkpoint)
         return real_forward(self, batch)
 

@@ -87,7 +87,8 @@ RETROMAE_ENCODER = Path("models/retromae/encoder")
 OUT = Path("models/realm")
 METRICS_FILE = Path("metrics") / f"{STAGE}.json"
 PLOT_FILE = Path("plots/realm_refresh.csv")
-PLOT_COLUMNS = ["step", "version", "recall_at_k", "mean_rank", "staleness", "refresh_seconds", "reason",
+PLOT_COLUMNS = ["step", "version", "recall_at_k", "mean_rank", "heldout_recall_at_k", "heldout_mean_rank", "staleness",
+                "refresh_seconds", "reason",
                 "swap_step", "blocks_per_s", "tokens_per_s", "index_size"]
 RANK_DEPTH = 1000  # mean gold rank is exact up to this depth; a gold doc not found counts as depth + 1
 
@@ -135,11 +136,14 @@ def fixed_queries(blocks, rows: list[int], p: RealmParams, special: SpecialToken
 
 @dataclass
 class Probes:
-    """Recall probes: query inputs `[CLS] q [SEP]` and the gold doc ids of each."""
+    """Recall probes: query inputs `[CLS] q [SEP]`, the gold keys of each, and per query the row to
+    leave out of its ranking (a held-out masked query's own block: REALM never retrieves it either)."""
 
     kind: str  # "dev_questions" | "heldout_masked"
     x: dict[str, torch.Tensor]  # x_input_ids, x_attention_mask (Q, Lx)
-    gold: list[set[str]]
+    gold: list[set[str]]  # doc ids (level "doc") or block ids (level "block")
+    level: str = "doc"  # "doc" | "block": which key of a retrieved row is matched against `gold`
+    exclude: list[int] | None = None  # (Q,) row left out of each query's ranking; None: none
 
     def __len__(self) -> int:
         return len(self.gold)
@@ -171,10 +175,50 @@ def dev_question_probes(corpus_dir: Path, tokenizer, p: RealmParams, special: Sp
     return Probes("dev_questions", {k: x[k] for k in ("x_input_ids", "x_attention_mask")}, [gold[q] for q in qids])
 
 
-def heldout_probes(queries: list[RealmQuery], block_doc: np.ndarray, p: RealmParams, special: SpecialTokens) -> Probes:
-    x = collate_queries(queries, p, special)
+def masked_answer(q: RealmQuery) -> tuple[int, ...]:
+    """The token ids hidden in x, in order (a contiguous span in the span masking modes)."""
+    return tuple(int(q.labels[i]) for i in q.masked_positions)
+
+
+def _contains(hay: list[int], needle: tuple[int, ...]) -> bool:
+    n = len(needle)
+    return any(tuple(hay[i:i + n]) == needle for i in range(len(hay) - n + 1))
+
+
+def answer_blocks(queries: list[RealmQuery], block_tokens) -> list[set[int]]:  # block_tokens: Dataset or [{input_ids}]
+    """Per query, the rows other than its source block whose tokens contain the masked answer
+    (DPR's "answer in passage" relevance): the documents that can tell the reader the answer.
+
+    One pass over the blocks; only blocks holding a needle's first token are checked in full."""
+    needles = [masked_answer(q) for q in queries]
+    first = {n[0] for n in needles if n}
+    by_first: dict[int, list[int]] = {t: [] for t in first}
+    tokens: dict[int, list[int]] = {}
+    rows = _iter_block_rows(block_tokens, ["input_ids"]) if hasattr(block_tokens, "select_columns") else enumerate(block_tokens)
+    for r, row in rows:
+        ids = [int(t) for t in row["input_ids"]]
+        hit = first.intersection(ids)
+        for t in hit:
+            by_first[t].append(r)
+        if hit:
+            tokens[r] = ids
+    return [{r for r in by_first.get(n[0], []) if r != q.source_row and _contains(tokens[r], n)} if n else set()
+            for q, n in zip(queries, needles)]
+
+
+def heldout_probes(queries: list[RealmQuery], blocks, block_ids: np.ndarray, p: RealmParams, special: SpecialTokens) -> Probes | None:
+    """Held-out masked queries -> Probes with block-level gold: the OTHER blocks that contain the
+    masked answer (what REALM's retriever is trained to find; the query's own block, of which x
+    is a copy, is left out of the ranking as it is left out of training's candidates). Queries
+    whose answer is in no other block cannot be helped by retrieval and are dropped."""
+    gold_rows = answer_blocks(queries, blocks)
+    keep = [i for i, g in enumerate(gold_rows) if g]
+    if not keep:
+        return None
+    x = collate_queries([queries[i] for i in keep], p, special)
     return Probes("heldout_masked", {k: x[k] for k in ("x_input_ids", "x_attention_mask")},
-                  [{str(block_doc[q.source_row])} for q in queries])
+                  [{str(block_ids[r]) for r in gold_rows[i]} for i in keep], level="block",
+                  exclude=[queries[i].source_row for i in keep])
 
 
 @torch.inference_mode()
@@ -192,19 +236,40 @@ def encode_queries(retriever: Retriever, x: dict[str, torch.Tensor], batch_size:
     return torch.cat(out).numpy() if out else np.zeros((0, retriever.retriever_dim), np.float32)
 
 
-def probe_retrieval(q_vecs: np.ndarray, index: BlockIndex, gold: list[set[str]], block_doc: np.ndarray, k: int) -> dict[str, float]:
-    """recall@k and mean rank of the first gold-document block (1-based; misses count RANK_DEPTH+1)."""
+def probe_retrieval(q_vecs: np.ndarray, index: BlockIndex, gold: list[set[str]], keys: np.ndarray, k: int,
+                    exclude: list[int] | None = None) -> dict[str, float]:
+    """recall@k and mean rank of the first gold block (1-based; misses count RANK_DEPTH+1).
+
+    `keys[row]` is what a retrieved row is matched against `gold` (doc ids, or block ids);
+    `exclude[i]` (a row, or -1) is left out of query i's ranking."""
     if len(gold) == 0:
         return {}
     depth = min(len(index), max(k, RANK_DEPTH))
-    _, rows = index.search(q_vecs, depth)  # (Q, depth)
-    docs = np.where(rows >= 0, block_doc[np.clip(rows, 0, None)], "")
+    extra = 1 if exclude is not None else 0
+    _, rows = index.search(q_vecs, min(len(index), depth + extra))  # (Q, depth [+1])
     ranks = []
-    for doc_row, g in zip(docs, gold):
-        hit = np.flatnonzero(np.isin(doc_row, list(g)))
+    for i, (row, g) in enumerate(zip(rows, gold)):
+        row = row[row >= 0]
+        if exclude is not None:
+            row = row[row != exclude[i]]
+        hit = np.flatnonzero(np.isin(keys[row[:depth]], list(g)))
         ranks.append(int(hit[0]) + 1 if hit.size else depth + 1)
     ranks = np.asarray(ranks, dtype=np.float64)
     return {"recall_at_k": float((ranks <= k).mean()), "mean_rank": float(ranks.mean())}
+
+
+def run_probes(retriever: Retriever, index: BlockIndex, probes: dict[str, "Probes"], block_ids: np.ndarray,
+               block_doc: np.ndarray, k: int) -> dict[str, float]:
+    """Every probe set against `index`: `{prefix}recall_at_k`, `{prefix}mean_rank` (prefix "" for
+    the main probe set, "heldout_" for the held-out masked queries)."""
+    out: dict[str, float] = {}
+    for prefix, pr in probes.items():
+        if pr is None or not len(pr):
+            continue
+        q = encode_queries(retriever, pr.x)
+        keys = block_doc if pr.level == "doc" else block_ids
+        out.update({prefix + m: v for m, v in probe_retrieval(q, index, pr.gold, keys, k, pr.exclude).items()})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,10 +415,10 @@ class RefreshContext:
 
     blocks: Any  # HF dataset of the retrieval blocks (input_ids used)
     block_ids: np.ndarray  # (N,) block id per row (the index ids)
-    block_doc: np.ndarray  # (N,) doc id per row (probe gold is doc-level)
+    block_doc: np.ndarray  # (N,) doc id per row (dev-question gold is doc-level)
     p: RealmParams
     special: SpecialTokens
-    probes: Probes | None
+    probes: dict[str, Probes | None]  # metric prefix -> probe set ("" main, "heldout_" masked queries)
     staleness_x: dict[str, torch.Tensor]  # fixed training queries for overlap@k
     amp_dtype: torch.dtype | None = None
 
@@ -433,9 +498,7 @@ class IndexRefresh:
                 if old is not None:
                     stats["staleness"] = staleness(encode_queries(retriever, c.staleness_x), old, index, c.p.staleness_k)
                     stats["previous_version"] = old.version
-                if c.probes is not None and len(c.probes):
-                    q = encode_queries(retriever, c.probes.x)
-                    stats.update(probe_retrieval(q, index, c.probes.gold, c.block_doc, c.p.staleness_k))
+                stats.update(run_probes(retriever, index, c.probes, c.block_ids, c.block_doc, c.p.staleness_k))
                 version = self.store.publish(index, step=step, extra_meta={"reason": reason}, make_current=False)
                 self.store.prune(keep_last=2, keep_first=True)
                 index = index.with_meta(version=version, step=step)
@@ -457,14 +520,16 @@ class IndexRefresh:
         self._record(row)
         if self.run is not None and self.rank0:
             names = {"recall_at_k": "probe_recall_at_k", "mean_rank": "probe_mean_rank", "staleness": "staleness",
+                     "heldout_recall_at_k": "heldout_recall_at_k", "heldout_mean_rank": "heldout_mean_rank",
                      "refresh_seconds": "refresh_seconds"}
             m = {names[k]: float(stats[k]) for k in names if stats.get(k) is not None}
             m["refresh_version"] = float(stats.get("version") or 0)
             self.run.log_metrics(m, stats["step"])
         log.log(logging.INFO if self.rank0 else logging.DEBUG,
-                "refresh_index %s: step %d -> v%s in %.2fs (swapped in after step %d) recall@%d=%s staleness=%s",
+                "refresh_index %s: step %d -> v%s in %.2fs (swapped in after step %d) recall@%d=%s heldout=%s staleness=%s",
                 stats["reason"], stats["step"], stats.get("version"), stats["refresh_seconds"], swap_step,
-                self.ctx.p.staleness_k, _fmt(stats.get("recall_at_k")), _fmt(stats.get("staleness")))
+                self.ctx.p.staleness_k, _fmt(stats.get("recall_at_k")), _fmt(stats.get("heldout_recall_at_k")),
+                _fmt(stats.get("staleness")))
 
     def _on_done(self, res: RefreshResult) -> None:
         self._swap(res.index, res.stats, res.swap_step if res.swap_step is not None else res.step)
@@ -643,14 +708,15 @@ def train_realm(
     out_dir: Path = OUT,
     metrics_path: Path = METRICS_FILE,
     plot_path: Path = PLOT_FILE,
-    heldout_queries: int = 64,  # TODO(lead): realm.heldout_queries knob
     log_artifacts: bool = True,
 ) -> dict:
     """Run the stage; returns the summary also written to `metrics_path` (rank 0).
 
     `refresh_wrapper(body, step=, reason=) -> dict` runs each `refresh_index` (the flow passes a
-    Prefect subflow; default: call `body()`). `heldout_queries`: blocks kept out of training, at most
-    10% of them, for the held-out masked-token accuracy (and recall probes without dev questions).
+    Prefect subflow; default: call `body()`). `realm.heldout_queries` blocks (at most a quarter of
+    the eligible ones) never give a training query: their fixed masked queries measure held-out
+    masked-token accuracy and held-out recall (`heldout_probes`). They stay in the index: they are
+    knowledge, like every block, only not questions.
     """
     import datasets
 
@@ -672,7 +738,7 @@ def train_realm(
     seed = params.compute.seed
     rows = eligible_rows(blocks, p, special.mask, seed)
     rng = np.random.default_rng(seed)
-    n_held = min(heldout_queries, len(rows) // 10)
+    n_held = min(p.heldout_queries, len(rows) // 4)
     held = sorted(rng.choice(rows, size=n_held, replace=False).tolist()) if n_held else []
     train_rows = sorted(set(rows) - set(held))
     if len(train_rows) < p.train.batch_size:
@@ -681,10 +747,11 @@ def train_realm(
     held_queries = fixed_queries(blocks, held, p, special, seed + 1)
     stale_rows = rng.choice(train_rows, size=min(p.staleness_probes, len(train_rows)), replace=False).tolist()
     stale_x = collate_queries(fixed_queries(blocks, stale_rows, p, special, seed + 2), p, special)
-    probes = dev_question_probes(corpus_dir, tokenizer, p, special, set(block_doc.tolist()))
-    if probes is None and held_queries:
-        probes = heldout_probes(held_queries, block_doc, p, special)
-    log.info("%s: %d blocks, %d trainable (+%d held out), probes: %s (%d)", STAGE, len(blocks), len(train_rows), len(held),
+    held_probes = heldout_probes(held_queries, blocks, block_ids, p, special) if held_queries else None
+    probes = dev_question_probes(corpus_dir, tokenizer, p, special, set(block_doc.tolist())) or held_probes
+    probe_sets = {"": probes, "heldout_": held_probes}
+    log.info("%s: %d blocks, %d trainable (+%d held out, %d with an answer in another block), probes: %s (%d)", STAGE,
+             len(blocks), len(train_rows), len(held), len(held_probes) if held_probes else 0,
              probes.kind if probes else "none", len(probes) if probes else 0)
 
     model, info = build_model(params, tokenizer, blocks, special, ckpt_root, retromae_dir, run)
@@ -700,11 +767,18 @@ def train_realm(
     store = IndexStore(ckpt_root / "index", use_gpu="auto")
     collator = RealmCollator(blocks, p, special, model.retriever, store)
     recorder = _Recorder(run)
-    refresh = IndexRefresh(RefreshContext(blocks.select_columns(["input_ids"]), block_ids, block_doc, p, special, probes,
+    refresh = IndexRefresh(RefreshContext(blocks.select_columns(["input_ids"]), block_ids, block_doc, p, special, probe_sets,
                                           {k: stale_x[k] for k in ("x_input_ids", "x_attention_mask")}),
                            store, run=run, wrapper=refresh_wrapper, history_path=ckpt_root / "refresh_history.json", rank0=rank0)
+    ev_start: dict[str, float] = {}
+
+    def on_train_start(step: int, trainer: Trainer) -> None:
+        refresh.on_train_start(step, trainer)
+        if rank0 and step == 0:  # the start of the curve: held-out accuracy before any update (not on a resume)
+            ev_start.update(evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.active))
+
     trainer = Trainer(model, train_rows, collator, train, params.compute, ckpt_root, log_fn=recorder,
-                      hooks={"on_train_start": refresh.on_train_start, "on_step_end": refresh.on_step_end},
+                      hooks={"on_train_start": on_train_start, "on_step_end": refresh.on_step_end},
                       log_every=params.tracking.log_every, param_prefix="realm.train")
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.precision)
     refresh.ctx.amp_dtype = amp  # index embeddings in the precision REALM's rescoring runs in
@@ -725,11 +799,9 @@ def train_realm(
     ev = evaluate_mlm(trainer.raw_model, collator, held_queries, final_index)
     stale_at_end = refresh.train_index is not final_index
     ev_train = evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.train_index) if stale_at_end else ev
-    train_probe = {}
-    if probes is not None and stale_at_end:
-        q = encode_queries(trainer.raw_model.retriever, probes.x)
-        train_probe = probe_retrieval(q, refresh.train_index, probes.gold, block_doc, p.staleness_k)
-    last = refresh.ok_rows[-1]
+    last, start = refresh.ok_rows[-1], refresh.ok_rows[0]
+    train_probe = (run_probes(trainer.raw_model.retriever, refresh.train_index, probe_sets, block_ids, block_doc, p.staleness_k)
+                   if stale_at_end else last)
     cadence = [r for r in refresh.history if r.get("reason") == "cadence"]
     stale_vals = [r["staleness"] for r in refresh.ok_rows if r.get("staleness") is not None and r.get("reason") == "cadence"]
     first = store.first()
@@ -737,11 +809,16 @@ def train_realm(
         "loss": recorder.tail_mean("loss", train.max_steps), "mlm_acc": recorder.tail_mean("mlm_acc", train.max_steps),
         "final_loss": result.metrics.get("loss"), "final_mlm_acc": result.metrics.get("mlm_acc"),
         "eval_mlm_acc": ev.get("mlm_acc"), "eval_loss": ev.get("loss"), "eval_tokens": ev.get("tokens"),
-        "eval_mlm_acc_train_index": ev_train.get("mlm_acc"),
-        "k": p.staleness_k, "recall_at_k": last.get("recall_at_k"), "mean_rank": last.get("mean_rank"),
-        "recall_at_k_train_index": train_probe.get("recall_at_k", last.get("recall_at_k")),
-        "mean_rank_train_index": train_probe.get("mean_rank", last.get("mean_rank")),
+        "eval_mlm_acc_train_index": ev_train.get("mlm_acc"), "eval_mlm_acc_start": ev_start.get("mlm_acc"),
+        "k": p.staleness_k, "recall_at_k_start": start.get("recall_at_k"),
+        "recall_at_k": last.get("recall_at_k"), "mean_rank": last.get("mean_rank"),
+        "recall_at_k_train_index": train_probe.get("recall_at_k"), "mean_rank_train_index": train_probe.get("mean_rank"),
         "probe_set": probes.kind if probes else "none", "probe_n": len(probes) if probes else 0,
+        # held-out masked queries (block-level gold, own block excluded): first index, final, training's last
+        "heldout_n": len(held_probes) if held_probes else 0,
+        "heldout_recall_at_k_start": start.get("heldout_recall_at_k"), "heldout_mean_rank_start": start.get("heldout_mean_rank"),
+        "heldout_recall_at_k": last.get("heldout_recall_at_k"), "heldout_mean_rank": last.get("heldout_mean_rank"),
+        "heldout_recall_at_k_train_index": train_probe.get("heldout_recall_at_k"),
         "refreshes": sum(1 for r in cadence if r.get("ok")), "failures": sum(1 for r in cadence if not r.get("ok")),
         "mean_staleness": float(np.mean(stale_vals)) if stale_vals else None,
         "final_index_version": final_index.version, "first_index_version": first.version if first else None,

@@ -1,0 +1,119 @@
+"""REALM's stale-index ablation on the tiny synthetic world: refresh every `realm.refresh_every` steps
+vs never (`refresh_every: 0`), same seed, steps and everything else (Guu et al. 2020, table 4
+direction: a stale index hurts).
+
+    .venv/bin/dvc repro pretrain_retromae            # once: data/tokens + models/retromae (tiny preset)
+    .venv/bin/python -m bench.realm_refresh_ablation  # ~2 x the stage's time; writes bench/results/realm_ablation.json
+    .venv/bin/python -m bench.realm_refresh_ablation --workspace /path/with/data_and_models --set realm.train.max_steps=80
+
+Each arm runs the stage body (`train_realm`, sync refresh so both arms are deterministic) in its own
+temporary folder that links the workspace's data/ and models/retromae/, so the workspace's own
+checkpoints/ and models/realm/ are never touched. Per arm: held-out masked-token accuracy and
+held-out recall@k (the masked queries of `realm.heldout_queries` blocks that never train; gold =
+the other blocks holding the masked answer) with the first index (start) and at the end, both with
+a fresh index of the final weights and with the index training last searched (never refreshed:
+the step-0 index); plus the dev-question probe and the staleness figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results" / "realm_ablation.json"
+
+# what the table reports per arm, from the stage summary
+KEYS = ["step", "eval_mlm_acc_start", "eval_mlm_acc", "eval_mlm_acc_train_index", "mlm_acc",
+        "heldout_n", "heldout_recall_at_k_start", "heldout_recall_at_k", "heldout_recall_at_k_train_index",
+        "heldout_mean_rank_start", "heldout_mean_rank", "probe_set", "probe_n", "recall_at_k_start", "recall_at_k",
+        "recall_at_k_train_index", "refreshes", "mean_staleness", "staleness_curve", "heldout_recall_curve", "train_seconds"]
+
+
+def run_arm(params, workspace: Path) -> dict:
+    """train_realm in a fresh temp folder linked to the workspace's inputs; returns its summary."""
+    from components.stages.pretrain_realm import train_realm
+
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="realm_ablation_") as tmp:
+        tmp = Path(tmp)
+        (tmp / "models").mkdir()
+        os.symlink(workspace / "data", tmp / "data")
+        os.symlink(workspace / "models" / "retromae", tmp / "models" / "retromae")
+        os.chdir(tmp)
+        try:
+            t0 = time.perf_counter()
+            summary = train_realm(params, None, log_artifacts=False)
+            summary["wall_s"] = round(time.perf_counter() - t0, 1)
+            rows = [r for r in _csv_rows(tmp / "plots" / "realm_refresh.csv")]
+            summary["heldout_recall_curve"] = [(int(r["step"]), _num(r["heldout_recall_at_k"])) for r in rows]
+            summary["staleness_curve"] = [(int(r["step"]), _num(r["staleness"])) for r in rows if r["staleness"]]
+        finally:
+            os.chdir(cwd)
+    return summary
+
+
+def _csv_rows(path: Path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(s: str) -> float | None:
+    return round(float(s), 4) if s not in ("", None) else None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workspace", type=Path, default=Path.cwd(), help="folder with data/tokens, data/corpus, models/retromae")
+    ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (both arms)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+
+    import logging
+
+    import yaml
+
+    from components.config import load_params
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    ws = args.workspace.resolve()
+    for need in ("data/tokens/blocks", "models/retromae/encoder"):
+        if not (ws / need).exists():
+            sys.exit(f"{ws / need} missing: run `.venv/bin/dvc repro pretrain_retromae` there first (or pass --workspace)")
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    # sync: each refresh lands at its own step boundary, so the two arms differ only in the cadence
+    base = {**overrides, "realm.refresh_mode": "sync"}
+    cadence = load_params(args.params, overrides=base).realm.refresh_every
+    if cadence == 0:
+        sys.exit("realm.refresh_every is 0 in the params: nothing to compare against never refreshing")
+    arms = {f"refresh_every_{cadence}": base, "never_refresh": {**base, "realm.refresh_every": 0}}
+    results = {}
+    for name, ov in arms.items():
+        params = load_params(args.params, overrides=ov)
+        s = run_arm(params, ws)
+        results[name] = {"refresh_every": params.realm.refresh_every, **{k: s.get(k) for k in KEYS}, "wall_s": s["wall_s"]}
+    p = load_params(args.params, overrides=base)
+    out = {"k": p.realm.staleness_k, "seed": p.compute.seed, "max_steps": p.realm.train.max_steps,
+           "retriever_init": p.realm.retriever_init, "lr": p.realm.train.lr, "overrides": overrides, "arms": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp, args.out)
+    for name, r in results.items():
+        print(f"{name:>18}: mlm_acc start {r['eval_mlm_acc_start']} -> end {r['eval_mlm_acc']} (train index {r['eval_mlm_acc_train_index']}); "
+              f"heldout recall@{out['k']} start {r['heldout_recall_at_k_start']} -> end {r['heldout_recall_at_k']} "
+              f"(train index {r['heldout_recall_at_k_train_index']}); mean staleness {r['mean_staleness']}; {r['wall_s']}s")
+    print(f"wrote {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
