@@ -27,10 +27,16 @@ One run, in order (Guu et al. 2020, sec. 3.4; ORQA, Lee et al. 2019, for ICT):
    knowledge_augmented_encoder/, index/first/, index/final/, model_card.md, realm_config.json),
    metrics/pretrain_realm.json and plots/realm_refresh.csv.
 
-Probe quality over time: recall@`staleness_k` and mean gold rank (doc level) of the dev questions
-(data/corpus/beir) with the snapshot's query tower against the new index; with no dev questions,
-held-out masked queries whose gold is their own source document. Staleness: overlap@k of the top-k
-for `staleness_probes` fixed training queries under the previous index vs the new one.
+Probe quality over time, with the snapshot's query tower against each new index (`run_probes`):
+* `recall_at_k` / `mean_rank` (MLflow `probe_*`): the dev questions (data/corpus/beir), doc level;
+  without dev questions, the held-out set below.
+* `heldout_recall_at_k` / `heldout_mean_rank`: fixed masked queries of `realm.heldout_queries`
+  blocks that never give a training query; gold = the OTHER blocks that contain the masked answer
+  (what REALM's reader can use), the query's own block left out of the ranking as in training.
+  Also the held-out masked-token accuracy at step 0 and at the end (`eval_mlm_acc*`).
+Staleness: overlap@k of the top-k for `staleness_probes` fixed training queries under the previous
+index vs the new one. `refresh_every: 0` never refreshes during training (the stale-index ablation,
+bench/realm_refresh_ablation.py); the final index is still rebuilt from the final weights.
 
 Multi-process (torchrun): every rank builds the same index itself from its (DDP-identical) weights;
 only rank 0 publishes, logs and probes. Chosen over "rank 0 builds, the others load": that needs a
