@@ -184,37 +184,41 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # the dtype HF's Linear would compute the logits in (bf16 under autocast), CE math in fp32
         cdt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else x.dtype
         w, b = weight.to(cdt), None if bias is None else bias.to(cdt)
-        ce = torch.empty(N, dtype=torch.float32, device=dev)
-        hit = torch.empty(N, dtype=torch.bool, device=dev)
+        xc_all = x.to(cdt)  # (N, H)
+        wrow = row_weight.view(N, 1)  # (N, 1)
         if need_grad:
-            gx = torch.empty(x.shape, dtype=torch.float32, device=dev)  # (N, H)
+            xw = (x.float() * wrow).to(cdt)  # (N, H) rows scaled by their loss weight
+            gx = torch.empty(N, w.size(1), dtype=cdt, device=dev)  # (N, H), unscaled softmax @ W
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=dev)  # (V, H)
             gb = torch.zeros(V, dtype=torch.float32, device=dev)  # (V,)
+        # Few kernels per chunk (each is a parallel region: on a box shared with other jobs every
+        # region can wait for a descheduled thread); all (c, H)-sized work is done once, below.
+        nll, arg = [], []
         for s in range(0, N, chunk):
-            xc, yc = x[s : s + chunk].to(cdt), labels[s : s + chunk]  # (c, H), (c,)
-            z = F.linear(xc, w, b).float()  # (c, V)
-            hit[s : s + chunk] = z.max(-1).indices == yc  # max(): ~4x faster than argmax on CPU
-            # log_softmax works row by row (a row of V floats stays in L1), one pass over z
-            logp = torch.log_softmax(z, -1)  # (c, V)
+            e = min(s + chunk, N)
+            z = F.linear(xc_all[s:e], w, b).float()  # (c, V)
+            arg.append(z.max(-1).indices)  # max(): ~4x faster than argmax on CPU
+            logp = torch.log_softmax(z, -1)  # row by row (a row of V floats stays in L1)
             del z
-            ce[s : s + chunk] = -logp.gather(1, yc[:, None]).squeeze(1)
-            if not need_grad:
-                continue
-            # dCE/dz = softmax - onehot(y). The onehot part touches one weight row per token, so it
-            # is applied on the (c, H) / (V, H) side, sparsely; the (c, V) block is only exp'ed.
-            p = logp.exp_().to(cdt)  # (c, V) softmax, in place
-            wc = row_weight[s : s + chunk, None]  # (c, 1)
-            xw = xc.float() * wc  # (c, H)
-            gx[s : s + chunk] = (p @ w).float() * wc - w[yc].float() * wc
-            if gw.dtype == cdt:
-                # (V, H) += (V, c) @ (c, H) without a (V, H) temporary; the out= form, not
-                # addmm_, because torch's FlopCounterMode (bench_step) does not see addmm_
-                torch.addmm(gw, p.t(), xw, out=gw)
-            else:
-                gw += p.t() @ xw.to(cdt)
-            gw.index_add_(0, yc, xw, alpha=-1.0)
-            gb += wc.squeeze(1) @ p.float()  # (V,)
-            gb.index_add_(0, yc, wc.squeeze(1), alpha=-1.0)
+            nll.append(logp.gather(1, labels[s:e, None]))  # (c, 1) log p(y)
+            if need_grad:
+                # dCE/dz = softmax - onehot(y); the onehot part is added after the loop on the
+                # (N, H) / (V, H) sides (one weight row per token), so the (c, V) block is only exp'ed.
+                p = logp.exp_().to(cdt)  # (c, V) softmax, in place
+                torch.mm(p, w, out=gx[s:e])  # (c, H)
+                # (V, H) += (V, c) @ (c, H) with no (V, H) temporary; the out= form, not addmm_,
+                # because torch's FlopCounterMode (bench_step) does not see addmm_
+                if gw.dtype == cdt:
+                    torch.addmm(gw, p.t(), xw[s:e], out=gw)
+                else:
+                    gw += p.t() @ xw[s:e]
+                gb += row_weight[s:e].to(p.dtype) @ p  # (V,)
+        ce = -torch.cat(nll).squeeze(1)  # (N,)
+        hit = torch.cat(arg) == labels  # (N,)
+        if need_grad:
+            gx = (gx.float() - w[labels].float()) * wrow  # (N, H) = w_i (softmax_i - onehot_i) W
+            gw.index_add_(0, labels, xw.float(), alpha=-1.0)
+            gb.index_add_(0, labels, row_weight.float(), alpha=-1.0)
         ctx.save_for_backward(*((gx, gw, gb) if need_grad else ()))
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(ce, hit)
