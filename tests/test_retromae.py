@@ -211,9 +211,10 @@ def test_fast_path_equals_straightforward_step(h1_mode, min_len, unmasked):
         torch.testing.assert_close(grads[0][name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_mlm_fast_path_equals_straightforward_step():
+@pytest.mark.parametrize("unmasked", [[2], slice(None)])  # slice(None): nothing to predict at all
+def test_mlm_fast_path_equals_straightforward_step(unmasked):
     p = params()
-    batch = unmask_rows(MLMCollator(IDS, 0.3, 32, seed=3)(rows(4, 30, 3)), [2])
+    batch = unmask_rows(MLMCollator(IDS, 0.3, 32, seed=3)(rows(4, 30, 3)), unmasked)
     outs, grads = fast_and_slow_step(lambda: MLMModel.from_params(p.encoder, IDS), batch)
     for key in outs[1]:
         torch.testing.assert_close(outs[0][key], outs[1][key], atol=1e-5, rtol=1e-5, msg=key)

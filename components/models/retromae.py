@@ -194,7 +194,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Few kernels per chunk (each is a parallel region: on a box shared with other jobs every
         # region can wait for a descheduled thread); all (c, H)-sized work is done once, below.
         nll, arg = [], []
-        for s in range(0, N, chunk):
+        for s in range(0, max(N, 1), chunk):  # N = 0 still runs once, on empty tensors
             e = min(s + chunk, N)
             z = F.linear(xc_all[s:e], w, b).float()  # (c, V)
             arg.append(z.max(-1).indices)  # max(): ~4x faster than argmax on CPU
