@@ -21,8 +21,8 @@ from components.config import EncoderParams, RetroMAEParams
 from components.data.masking import IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialIds
 from components.models.mlm import MLMModel
 from components.models.retromae import (
-    RetroMAE, _last_layer_slots, build_encoder, decoder_mask_pool, decoder_row_choice, position_specific_mask,
-    save_pretrained_encoder,
+    RetroMAE, _last_layer_slots, _LinearCrossEntropy, build_encoder, decoder_mask_pool, decoder_row_choice,
+    position_specific_mask, save_pretrained_encoder, token_losses,
 )
 
 IDS = SpecialIds(pad=0, cls=2, sep=3, mask=4, vocab_size=120, special=(0, 1, 2, 3, 4))
@@ -220,6 +220,29 @@ def test_mlm_fast_path_equals_straightforward_step(unmasked):
         torch.testing.assert_close(outs[0][key], outs[1][key], atol=1e-5, rtol=1e-5, msg=key)
     for name, g in grads[1].items():
         torch.testing.assert_close(grads[0][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 37, 100])
+def test_fused_linear_cross_entropy_equals_plain_for_any_chunking(chunk):
+    """_LinearCrossEntropy (the head's vocabulary projection + CE, gradients formed chunk by chunk
+    in the forward) against linear + `token_losses` under autograd: values, metrics, gradients."""
+    torch.manual_seed(0)
+    N, H, V, sizes = 37, 8, 50, [10, 27]
+    x, W, b = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True), torch.randn(V, requires_grad=True)
+    y = torch.randint(0, V, (N,))
+    y[:3] = F.linear(x, W, b).argmax(-1)[:3].detach()  # some hits, so acc is not trivially 0
+    w = torch.cat([torch.full((n,), 1.0 / n) for n in sizes])
+    total, ce, hit = _LinearCrossEntropy.apply(x, W, b, y, w, True, chunk)
+    (2.0 * total).backward()  # a non-unit incoming gradient
+    fused = (x.grad, W.grad, b.grad)
+    x.grad = W.grad = b.grad = None
+    ref_total, means, accs = token_losses(F.linear(x, W, b), y, sizes)
+    (2.0 * ref_total).backward()
+    torch.testing.assert_close(total, ref_total)
+    torch.testing.assert_close(torch.stack([c.sum() / n for c, n in zip(ce.split(sizes), sizes)]), torch.stack(means).detach())
+    torch.testing.assert_close(torch.stack([h.float().mean() for h in hit.split(sizes)]), torch.stack(accs))
+    for got, want in zip(fused, (x.grad, W.grad, b.grad)):
+        torch.testing.assert_close(got, want)
 
 
 def test_last_layer_slots_follow_the_label_order():

@@ -242,9 +242,14 @@ def head_token_losses(head: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
     V, H = out.weight.shape
     w = torch.cat([torch.full((n,), 1.0 / max(n, 1), device=x.device) for n in sizes])  # (N,) 1/n per group
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, out.weight, out.bias))
-    # Rows per chunk: enough that the (V, H) weight and its gradient, re-read per chunk, cost less
-    # than the passes over the (c, V) logits they keep in cache (c > H); ~4 MiB of logits per chunk.
-    chunk = max(2 * H, (4 << 20) // (4 * V)) if x.device.type == "cpu" else max(x.size(0), 1)
+    # Rows per chunk. Chunks pay when the passes over the (c, V) logits they keep in cache (~4 MiB)
+    # save more than re-reading the (V, H) weight and its gradient per chunk costs (c > H), and only
+    # single-threaded: with more intra-op threads every kernel is a fork/join of the pool, and on a
+    # box shared with other jobs a join waits for a descheduled thread (bench_step, tiny, 2 threads
+    # at load ~5: 10 chunks made the step ~15% slower than one; 1 thread: ~30% faster).
+    chunk = max(x.size(0), 1)
+    if x.device.type == "cpu" and torch.get_num_threads() == 1:
+        chunk = max(2 * H, (4 << 20) // (4 * V))
     total, ce, hit = _LinearCrossEntropy.apply(x, out.weight, out.bias, labels, w, need_grad, chunk)
     means = [c.sum() / max(n, 1) for c, n in zip(ce.split(sizes), sizes)]  # detached values
     accs = [h.float().sum() / max(n, 1) for h, n in zip(hit.split(sizes), sizes)]
