@@ -22,11 +22,13 @@ RESULTS = ROOT / "bench/results"
 SUITE = [
     ["bench/bench_step.py", "--shape", "tiny"],
     ["bench/bench_step.py", "--shape", "base", "--steps", "3"],
+    ["bench/bench_step_parts.py"],
     ["bench/bench_index.py"],
     ["bench/bench_refresh.py"],
     ["bench/bench_orchestration.py", "--rounds", "2", "--api-starts", "2"],
     ["bench/bench_data.py"],
     ["bench/gpu_check.py"],  # reduced CPU form when no GPU is visible
+    ["-m", "bench.realm_toy"],
 ]
 
 
@@ -48,6 +50,15 @@ def summary() -> str:
         wall, flops = r.get("ratio_retromae_vs_mlm_hf"), r.get("flop_ratio_retromae_vs_mlm_hf")
         rows.append(_row("step", f"RetroMAE / BertForMaskedLM step, {key} (wall)", wall, "<= 1.10", None if wall is None else wall <= 1.10))
         rows.append(_row("step", f"RetroMAE / BertForMaskedLM step, {key} (FLOPs)", flops, "<= 1.10", None if flops is None else flops <= 1.10))
+    for key, r in sorted(_load("step_parts").items()):
+        realm, dpr = r.get("realm", {}), r.get("dpr", {})
+        frac = realm.get("fraction", {})
+        if frac:
+            parts = ", ".join(f"{k} {frac[k]:.0%}" for k in ("retrieve", "score", "ka", "backward"))
+            rows.append(_row("step", f"REALM step split, {key}", parts, "report", None))
+        if dpr:
+            rows.append(_row("step", f"DPR step with / without {dpr['hard_negatives']} hard negative(s), {key}",
+                             dpr["ratio_with_over_without"], f"report (token ratio {dpr['token_ratio']:.2f})", None))
     ref = _load("refresh")
     for key, goal in (("embed_ratio", 0.90), ("async_over_none", 0.90)):
         v = _find(ref, key)
@@ -64,6 +75,13 @@ def summary() -> str:
     data = _load("data")
     rows.append(_row("data", "prepare_corpus docs/s (python docs prose)", data.get("prepare_docs_per_s"), "report", None))
     rows.append(_row("data", "tokenize tokens/s, num_proc 1 -> 2", json.dumps(data.get("tokenize_tokens_per_s")) if data else None, "report", None))
+    toy = _load("realm_toy").get("arms", {})
+    for arm, r in sorted(toy.items()):
+        c = r.get("curve") or []
+        if c:
+            rows.append(_row("realm_toy", f"recall@k-1 step {c[0]['step']} -> {c[-1]['step']}, {arm} (chance "
+                                          f"{_load('realm_toy').get('chance_recall', 0):.3f})",
+                             f"{c[0]['recall_fresh_index']:.3f} -> {c[-1]['recall_fresh_index']:.3f}", "rises", c[-1]["recall_fresh_index"] > c[0]["recall_fresh_index"]))
     gpu = _load("gpu_check").get("train", {})
     rows.append(_row("gpu", "RetroMAE BERT-base MFU (H200, bf16)", gpu.get("mfu"), ">= 0.40", None if gpu.get("mfu") is None else gpu["mfu"] >= 0.40))
     head = ["# Benchmarks", "", "Written by `python -m bench.run_all` on " + time.strftime("%Y-%m-%d") + ". Each benchmark runs its contenders",
