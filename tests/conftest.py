@@ -108,6 +108,26 @@ def shared_prefect_api(tmp_path_factory):
         os.environ["PREFECT_API_URL"] = saved
 
 
+def build_data_and_encoders(root: Path, p: Params, encoder_dirs: tuple[str, ...] = ("retromae/encoder",)) -> None:
+    """`root/data/corpus` + `root/data/tokens` by the real stage functions, and one randomly
+    initialised encoder (seed 0) saved as each `root/models/<dir>`: a stand-in for the upstream
+    pre-training stages, for tests of the stages after them."""
+    import torch
+
+    from components.data.prepare import prepare_corpus
+    from components.data.tokenize import load_tokenizer, tokenize_corpus
+    from components.models.retromae import build_encoder, save_pretrained_encoder
+
+    prepare_corpus(p.data, root / "data/corpus")
+    tokenize_corpus(p.tokenize, root / "data/corpus", root / "data/tokens")
+    tok = load_tokenizer(root / "data/tokens/tokenizer")
+    torch.manual_seed(0)
+    enc = build_encoder(p.retromae.encoder, len(tok), tok.pad_token_id, cls_token_id=tok.cls_token_id,
+                        sep_token_id=tok.sep_token_id, mask_token_id=tok.mask_token_id)
+    for name in encoder_dirs:
+        save_pretrained_encoder(enc, tok, root / "models" / name)
+
+
 def overfit(model, batch, optimizer, steps: int = 25) -> list[float]:
     """Train `model` on one fixed batch; returns the loss of every step (for "loss falls" tests)."""
     losses = []

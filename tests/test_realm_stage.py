@@ -23,7 +23,7 @@ from components.index.faiss_index import BlockIndex, IndexStore
 from components.models.realm import REALM, Retriever
 from components.stages.common import checkpoint_dir
 from components.tracking import StageRun
-from tests.conftest import ROOT, TINY, tiny_params
+from tests.conftest import ROOT, TINY, build_data_and_encoders, tiny_params
 
 
 # ----------------------------------------------------------------------------------------------
@@ -32,19 +32,8 @@ from tests.conftest import ROOT, TINY, tiny_params
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     """data/corpus + data/tokens (the real stage functions) and a RetroMAE-shaped encoder folder."""
-    from components.data.prepare import prepare_corpus
-    from components.data.tokenize import load_tokenizer, tokenize_corpus
-    from components.models.retromae import build_encoder, save_pretrained_encoder
-
     root = tmp_path_factory.mktemp("realm_world")
-    p = tiny_params()
-    prepare_corpus(p.data, root / "data/corpus")
-    tokenize_corpus(p.tokenize, root / "data/corpus", root / "data/tokens")
-    tok = load_tokenizer(root / "data/tokens/tokenizer")
-    torch.manual_seed(0)
-    enc = build_encoder(p.retromae.encoder, len(tok), tok.pad_token_id, cls_token_id=tok.cls_token_id,
-                        sep_token_id=tok.sep_token_id, mask_token_id=tok.mask_token_id)
-    save_pretrained_encoder(enc, tok, root / "models/retromae/encoder")
+    build_data_and_encoders(root, tiny_params())
     return root
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import make_workspace
+from tests.conftest import build_data_and_encoders, make_workspace
 
 pytestmark = pytest.mark.slow  # reason: three stage processes per test through dvc + Prefect + MLflow
 
@@ -119,23 +119,10 @@ def base(tmp_path_factory) -> Path:
     """A workspace with data/ built and stand-in upstream models (a randomly initialised encoder as
     models/retromae and models/mlm), and a migrated MLflow store: `dvc repro --single-item` needs
     the stage's deps to exist, not to be fresh."""
-    import torch
-
     from components.config import load_params
-    from components.data.prepare import prepare_corpus
-    from components.data.tokenize import load_tokenizer, tokenize_corpus
-    from components.models.retromae import build_encoder, save_pretrained_encoder
 
     ws = make_workspace(tmp_path_factory.mktemp("stage_kills") / "ws", OVERRIDES)
-    p = load_params(ws / "params.yaml")
-    prepare_corpus(p.data, ws / "data/corpus")
-    tokenize_corpus(p.tokenize, ws / "data/corpus", ws / "data/tokens")
-    tok = load_tokenizer(ws / "data/tokens/tokenizer")
-    torch.manual_seed(0)
-    enc = build_encoder(p.retromae.encoder, len(tok), tok.pad_token_id, cls_token_id=tok.cls_token_id,
-                        sep_token_id=tok.sep_token_id, mask_token_id=tok.mask_token_id)
-    for name in ("retromae/encoder", "retromae/init_encoder", "mlm/encoder"):
-        save_pretrained_encoder(enc, tok, ws / "models" / name)
+    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "retromae/init_encoder", "mlm/encoder"))
     MlflowClient(f"sqlite:///{ws}/mlflow.db").search_experiments()
     return ws
 
