@@ -8,7 +8,9 @@ MIPS index matter?
 The world: N documents `key_j f f value_j f [SEP]` (f: random filler tokens, value_j drawn at random
 from a pool, so no rule maps keys to values). A query is `[CLS] f key_j f [MASK] [SEP]` with the
 masked token = value_j: the answer is only in document j. Both the retriever and the knowledge-
-augmented encoder start from random weights; the retriever gets no supervision but REALM's
+augmented encoder start from random weights and get short warm-ups (`--ict-steps` of ICT for the
+retriever, `--reader-steps` for the reader with the gold document among its candidates); after
+that the retriever learns only from REALM's
     log p(y|x) = logsumexp_z [log p(y|x,z) + log p(z|x)]
 with the top-(k-1) documents from a FAISS inner-product index over `encode_passage` vectors plus the
 null document (`components.models.realm.REALM`, `components.index.faiss_index.BlockIndex`, the
