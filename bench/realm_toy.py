@@ -2,7 +2,7 @@
 document that helps the reader, through the marginal likelihood alone, and does refreshing the
 MIPS index matter?
 
-    .venv/bin/python -m bench.realm_toy                    # refresh every 10 steps vs never, ~1 min
+    .venv/bin/python -m bench.realm_toy                    # refresh every 10 steps vs never, 4 seeds, ~2 min
     .venv/bin/python -m bench.realm_toy --reader-steps 0   # a from-scratch reader: no signal
 
 The world: N documents `key_j f f value_j f [SEP]` (f: random filler tokens, value_j drawn at random
@@ -20,15 +20,19 @@ stage's own pieces). Arms (same seed, same steps):
 Reported per arm, over steps: recall@(k-1) of the gold document under the index in use and under a
 fresh one, masked-token accuracy and p(null). Writes bench/results/realm_toy.json.
 
-What it shows (2026-11-29, CPU, `python -m bench.realm_toy`, bench/results/realm_toy.json):
+What it shows (2026-11-29, CPU, 1 thread, `python -m bench.realm_toy`, bench/results/realm_toy.json):
 - With a reader that already reads (`--reader-steps 300`: the knowledge-augmented encoder first
   learns to use a context that holds the gold document, as REALM's pre-trained BERT reader comes;
-  the retriever is not touched), the marginal likelihood alone takes the retriever from recall@7
-  0.44 (after 25 ICT steps) to 1.00 within 50 steps when the index is refreshed every 10 steps;
-  p(null) falls to 0 and the model answers by reading. Never refreshed, the stale index stops
-  matching the moving query tower: recall of the index in use falls to ~0.05 and the model learns
-  the facts closed-book through the null document (p(null) -> 0.99). That is the direction of the
-  paper's stale-index ablation (NQ EM 38.2 -> 28.7).
+  the retriever is not touched), the outcome is bimodal across seeds. Either the marginal
+  likelihood alone takes the retriever from its ICT start (recall@7 0.26-0.97) to 1.00 within
+  50-100 steps with the index refreshed every 10 steps (p(null) -> 0: the model answers by
+  reading), or the model learns the 512 facts closed-book through the null document
+  (p(null) -> 1) and the retriever decays to chance. Never refreshed, the stale index stops
+  matching the moving query tower and recall of the index in use falls to ~0.05 in every seed.
+  So refreshing is necessary but not sufficient here; the counts per arm are in the results file.
+  The direction matches the paper's stale-index ablation (NQ EM 38.2 -> 28.7). The split between
+  reading and memorising is sensitive even to float reduction order: seed 0 learns with 1 thread
+  and goes closed-book with 2.
 - With a from-scratch reader (`--reader-steps 0`) the same warm-started retriever collapses to
   chance within 10-25 REALM steps in both arms, while the reader memorises slowly; freezing the
   retriever for 150 steps does not help (the reader does not learn to read from candidates that
@@ -198,13 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=int, default=8, help="candidates per query, the null document included")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--refresh-every", type=int, default=10)
     ap.add_argument("--ict-steps", type=int, default=25, help="retriever warm-start steps (0: none)")
     ap.add_argument("--reader-steps", type=int, default=300, help="reader warm-up steps with the gold document present")
     ap.add_argument("--freeze-retriever-steps", type=int, default=0, help="REALM steps that train the reader only")
-    ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--seeds", type=int, default=4, help="seeds to run (the outcome is bimodal: report how many learn)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/realm_toy.json"))
     return ap
 
@@ -212,17 +217,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-    arms = {name: run_arm(args, every) for name, every in (("refresh", args.refresh_every), ("never", 0))}
-    res = {"args": vars(args), "chance_recall": (args.k - 1) / args.docs, "arms": arms}
+    runs = {}
+    for seed in range(args.seed, args.seed + args.seeds):
+        a = argparse.Namespace(**{**vars(args), "seed": seed})
+        runs[str(seed)] = {name: run_arm(a, every) for name, every in (("refresh", args.refresh_every), ("never", 0))}
+    learned = {arm: sum(r[arm]["curve"][-1]["recall_index_in_use"] > 0.9 for r in runs.values()) for arm in ("refresh", "never")}
+    res = {"args": vars(args), "chance_recall": (args.k - 1) / args.docs, "threads": torch.get_num_threads(),
+           "seeds_reaching_recall_0.9": learned, "runs": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".tmp").write_text(json.dumps(res, indent=2))
     os.replace(out.with_suffix(".tmp"), out)
-    for name, arm in arms.items():
-        last = arm["curve"][-1]
-        print(f"{name:7s}: recall@{args.k - 1} {arm['curve'][0]['recall_fresh_index']:.3f} (step {arm['curve'][0]['step']}) -> "
-              f"{last['recall_fresh_index']:.3f} (step {last['step']}), masked-token acc {last['mlm_acc']:.3f}, {arm['seconds']:.0f} s")
-    print(f"chance recall {res['chance_recall']:.3f}; wrote {out}")
+    for seed, arms in runs.items():
+        for name, arm in arms.items():
+            c = arm["curve"]
+            print(f"seed {seed} {name:7s}: recall@{args.k - 1} of the index in use {c[0]['recall_index_in_use']:.3f} -> "
+                  f"{c[-1]['recall_index_in_use']:.3f} (step {c[-1]['step']}), p(null) {c[-1]['p_null']:.2f}, "
+                  f"masked-token acc {c[-1]['mlm_acc']:.3f}, {arm['seconds']:.0f} s")
+    print(f"seeds whose index in use ends above 0.9 recall: {learned} of {args.seeds}; chance {res['chance_recall']:.3f}; wrote {out}")
 
 
 if __name__ == "__main__":
