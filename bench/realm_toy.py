@@ -94,17 +94,22 @@ def embed_docs(model: REALM, world: ToyWorld) -> np.ndarray:
     return model.retriever.encode_passage(ids, torch.ones_like(ids)).float().numpy()  # (N, d)
 
 
+def with_documents(batch: dict, world: ToyWorld, rows: np.ndarray) -> dict:
+    """`batch` + the candidates REALM reads: the null document (slot 0), then documents `rows` (B, k-1)."""
+    B, Lz = len(rows), world.docs.shape[1]
+    z = np.zeros((B, rows.shape[1] + 1, Lz), dtype=np.int64)
+    z[:, 0, 0] = SEP  # the null document: `[SEP]`
+    z[:, 1:] = world.docs[rows]
+    z = torch.as_tensor(z)
+    return {**batch, "z_input_ids": z, "z_attention_mask": (z != PAD).long()}
+
+
 def candidates(batch: dict, index: BlockIndex, model: REALM, world: ToyWorld, k: int) -> dict:
     """Top-(k-1) documents for each query from the index, after the null document (slot 0)."""
     with torch.no_grad():
         q = model.retriever.encode_query(batch["x_input_ids"], batch["x_attention_mask"]).float().numpy()
     _, rows = index.search(q, k - 1)  # (B, k-1)
-    B, Lz = len(rows), world.docs.shape[1]
-    z = np.zeros((B, k, Lz), dtype=np.int64)
-    z[:, 0, 0] = SEP  # the null document: `[SEP]`
-    z[:, 1:] = world.docs[rows]
-    z = torch.as_tensor(z)
-    return {**batch, "z_input_ids": z, "z_attention_mask": (z != PAD).long()}, rows
+    return with_documents(batch, world, rows), rows
 
 
 def recall(model: REALM, world: ToyWorld, index: BlockIndex, k: int, rng) -> float:
@@ -141,11 +146,7 @@ def reader_warm_up(model: REALM, world: ToyWorld, steps: int, batch: int, k: int
         rows = rng.integers(0, world.n, batch)
         cand = rng.integers(0, world.n, (batch, k - 1))
         cand[:, 0] = rows
-        z = np.zeros((batch, k, world.docs.shape[1]), dtype=np.int64)
-        z[:, 0, 0] = SEP
-        z[:, 1:] = world.docs[cand]
-        z = torch.as_tensor(z)
-        out = model({**world.queries(rows, rng), "z_input_ids": z, "z_attention_mask": (z != PAD).long()})
+        out = model(with_documents(world.queries(rows, rng), world, cand))
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()
         opt.step()
@@ -164,8 +165,8 @@ def run_arm(args, refresh_every: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     index = BlockIndex.build(embed_docs(model, world), None, "flat", use_gpu=False)
     curve, accs, pnull, t0 = [], [], [], time.perf_counter()
-    curve.append({"step": 0, "recall_index_in_use": recall(model, world, index, args.k, np.random.default_rng(0)),
-                  "recall_fresh_index": recall(model, world, index, args.k, np.random.default_rng(0)), "mlm_acc": 0.0, "p_null": 0.0})
+    r0 = recall(model, world, index, args.k, np.random.default_rng(0))  # the index was just built: in use = fresh
+    curve.append({"step": 0, "recall_index_in_use": r0, "recall_fresh_index": r0, "mlm_acc": 0.0, "p_null": 0.0})
     for step in range(1, args.steps + 1):
         batch, _ = candidates(world.queries(rng.integers(0, world.n, args.batch), rng), index, model, world, args.k)
         out = model(batch)
@@ -181,8 +182,7 @@ def run_arm(args, refresh_every: int) -> dict:
             index = BlockIndex.build(embed_docs(model, world), None, "flat", use_gpu=False)
         if step % args.eval_every == 0 or step == args.steps:
             fresh = BlockIndex.build(embed_docs(model, world), None, "flat", use_gpu=False)
-            eval_rng = np.random.default_rng(0)
-            curve.append({"step": step, "recall_index_in_use": recall(model, world, index, args.k, eval_rng),
+            curve.append({"step": step, "recall_index_in_use": recall(model, world, index, args.k, np.random.default_rng(0)),
                           "recall_fresh_index": recall(model, world, fresh, args.k, np.random.default_rng(0)),
                           "mlm_acc": float(np.mean(accs[-args.eval_every:])), "p_null": float(np.mean(pnull[-args.eval_every:]))})
             print(f"  {'refresh' if refresh_every else 'never':7s} step {step:4d}  " +

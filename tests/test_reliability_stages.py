@@ -109,7 +109,7 @@ def _checkpoints(ws: Path, trainers: list[str]) -> dict[str, list[int]]:
     """trainer -> committed checkpoint steps (the `step-*` folders; `.tmp-*` ones are not committed)."""
     out = {}
     for t in trainers:
-        found = sorted((ws / "checkpoints" / t).glob("*/checkpoints/step-*")) + sorted((ws / "checkpoints" / t).glob("*/step-*"))
+        found = (ws / "checkpoints" / t).glob("*/checkpoints/step-*")  # checkpoints/<trainer>/<digest>/checkpoints/
         out[t] = sorted({int(p.name.split("-")[1]) for p in found})
     return out
 

@@ -316,13 +316,18 @@ def tiny_bert_config() -> BertConfig:
                       intermediate_size=64, max_position_embeddings=64, pad_token_id=IDS.pad)
 
 
-def test_bare_encoder_gets_a_tied_head_and_a_warning(tmp_path, caplog):
+def saved_and_reloaded(model_cls, folder, caplog):
+    """A seeded tiny `model_cls` saved to `folder`, and `build_encoder` loading it back (warnings in caplog)."""
     torch.manual_seed(0)
-    bare = BertModel(tiny_bert_config())
-    bare.save_pretrained(tmp_path / "bare")
-    enc = EncoderParams(init="pretrained", pretrained_path=str(tmp_path / "bare"), hidden_size=32, num_heads=2)
+    saved = model_cls(tiny_bert_config())
+    saved.save_pretrained(folder)
+    enc = EncoderParams(init="pretrained", pretrained_path=str(folder), hidden_size=32, num_heads=2)
     with caplog.at_level(logging.WARNING, logger="components.models.retromae"):
-        model = build_encoder(enc, IDS.vocab_size, IDS.pad)
+        return saved, build_encoder(enc, IDS.vocab_size, IDS.pad)
+
+
+def test_bare_encoder_gets_a_tied_head_and_a_warning(tmp_path, caplog):
+    bare, model = saved_and_reloaded(BertModel, tmp_path / "bare", caplog)
     assert any("no MLM head" in r.getMessage() for r in caplog.records)
     assert model.cls.predictions.decoder.weight.data_ptr() == model.bert.embeddings.word_embeddings.weight.data_ptr()
     assert torch.equal(model.bert.embeddings.word_embeddings.weight, bare.embeddings.word_embeddings.weight)
@@ -332,12 +337,7 @@ def test_bare_encoder_gets_a_tied_head_and_a_warning(tmp_path, caplog):
 
 
 def test_complete_checkpoint_loads_without_warning(tmp_path, caplog):
-    torch.manual_seed(0)
-    full = BertForMaskedLM(tiny_bert_config())
-    full.save_pretrained(tmp_path / "full")
-    enc = EncoderParams(init="pretrained", pretrained_path=str(tmp_path / "full"), hidden_size=32, num_heads=2)
-    with caplog.at_level(logging.WARNING, logger="components.models.retromae"):
-        model = build_encoder(enc, IDS.vocab_size, IDS.pad)
+    full, model = saved_and_reloaded(BertForMaskedLM, tmp_path / "full", caplog)
     assert not [r for r in caplog.records if r.name == "components.models.retromae"]
     assert torch.equal(model.cls.predictions.transform.dense.weight, full.cls.predictions.transform.dense.weight)
 
