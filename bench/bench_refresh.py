@@ -98,8 +98,9 @@ def refresh_context(blocks, params, special, seed: int = 0) -> stage.RefreshCont
     rows = stage.eligible_rows(blocks.select(range(min(len(blocks), 4000))), p, special.mask, seed)
     qs = stage.fixed_queries(blocks, rows[: p.staleness_probes], p, special, seed)
     x = stage.collate_queries(qs, p, special)
-    probes = stage.heldout_probes(qs, np.asarray(blocks["doc_id"]), p, special)
-    return stage.RefreshContext(blocks.select_columns(["input_ids"]), np.asarray(blocks["block_id"]), np.asarray(blocks["doc_id"]),
+    block_ids = np.asarray(blocks["block_id"])
+    probes = {"heldout_": stage.heldout_probes(qs, blocks, block_ids, p, special)}
+    return stage.RefreshContext(blocks.select_columns(["input_ids"]), block_ids, np.asarray(blocks["doc_id"]),
                                 p, special, probes, {k: x[k] for k in ("x_input_ids", "x_attention_mask")})
 
 

@@ -31,8 +31,15 @@ OUT = ROOT / "bench" / "results" / "realm_ablation.json"
 # what the table reports per arm, from the stage summary
 KEYS = ["step", "eval_mlm_acc_start", "eval_mlm_acc", "eval_mlm_acc_train_index", "mlm_acc",
         "heldout_n", "heldout_recall_at_k_start", "heldout_recall_at_k", "heldout_recall_at_k_train_index",
-        "heldout_mean_rank_start", "heldout_mean_rank", "probe_set", "probe_n", "recall_at_k_start", "recall_at_k",
-        "recall_at_k_train_index", "refreshes", "mean_staleness", "staleness_curve", "heldout_recall_curve", "train_seconds"]
+        "heldout_mean_rank_start", "heldout_mean_rank",
+        "heldout_entity_n", "heldout_entity_recall_at_k_start", "heldout_entity_recall_at_k", "heldout_entity_recall_at_k_train_index",
+        "heldout_entity_mean_rank_start", "heldout_entity_mean_rank",
+        "probe_set", "probe_n", "recall_at_k_start", "recall_at_k", "recall_at_k_train_index", "mean_rank", "mean_rank_train_index",
+        "refreshes", "mean_staleness", "staleness_curve", "heldout_recall_curve", "heldout_entity_recall_curve", "probe_recall_curve",
+        "train_seconds"]
+# per-refresh curves from plots/realm_refresh.csv: name -> column
+CURVES = {"heldout_recall_curve": "heldout_recall_at_k", "heldout_entity_recall_curve": "heldout_entity_recall_at_k",
+          "probe_recall_curve": "recall_at_k"}
 
 
 def run_arm(params, workspace: Path) -> dict:
@@ -51,7 +58,8 @@ def run_arm(params, workspace: Path) -> dict:
             summary = train_realm(params, None, log_artifacts=False)
             summary["wall_s"] = round(time.perf_counter() - t0, 1)
             rows = [r for r in _csv_rows(tmp / "plots" / "realm_refresh.csv")]
-            summary["heldout_recall_curve"] = [(int(r["step"]), _num(r["heldout_recall_at_k"])) for r in rows]
+            for name, column in CURVES.items():
+                summary[name] = [(int(r["step"]), _num(r[column])) for r in rows]
             summary["staleness_curve"] = [(int(r["step"]), _num(r["staleness"])) for r in rows if r["staleness"]]
         finally:
             os.chdir(cwd)
@@ -63,6 +71,10 @@ def _csv_rows(path: Path) -> list[dict]:
 
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _num(s: str) -> float | None:
@@ -107,10 +119,14 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")
     os.replace(tmp, args.out)
+    k = out["k"]
     for name, r in results.items():
-        print(f"{name:>18}: mlm_acc start {r['eval_mlm_acc_start']} -> end {r['eval_mlm_acc']} (train index {r['eval_mlm_acc_train_index']}); "
-              f"heldout recall@{out['k']} start {r['heldout_recall_at_k_start']} -> end {r['heldout_recall_at_k']} "
-              f"(train index {r['heldout_recall_at_k_train_index']}); mean staleness {r['mean_staleness']}; {r['wall_s']}s")
+        print(f"{name} ({r['wall_s']} s): mean staleness {_fmt(r['mean_staleness'])}, masked-token acc {_fmt(r['mlm_acc'])} "
+              f"(training), {_fmt(r['eval_mlm_acc_start'])} -> {_fmt(r['eval_mlm_acc'])} (held-out)")
+        for label, key in (("held-out masked, same-entity gold", "heldout_entity_recall_at_k"),
+                           ("held-out masked, any block with the answer", "heldout_recall_at_k"), (r["probe_set"], "recall_at_k")):
+            print(f"  {label} recall@{k}: {_fmt(r[key + '_start'])} -> {_fmt(r[key])} (fresh index), "
+                  f"{_fmt(r[key + '_train_index'])} (index in use)")
     print(f"wrote {args.out}")
     return out
 

@@ -38,8 +38,10 @@ What it shows (2026-11-29, CPU, 1 thread, `python -m bench.realm_toy`, bench/res
   retriever for 150 steps does not help (the reader does not learn to read from candidates that
   hold the gold 44% of the time). p(y|x,z) then does not depend on z for the right reason, the
   retriever's gradient (posterior - prior over the k candidates) follows the random reader's
-  preferences, and Adam turns it into lr-sized steps. This is the state of the pipeline's tiny
-  preset, whose reader (a 60-step RetroMAE encoder) never predicts a masked span.
+  preferences, and Adam turns it into lr-sized steps. The pipeline's tiny preset was in this state
+  until it got the same fix, a reader warm-up (`realm.reader_warmup_steps`; the knowledge-
+  augmented encoder reads its own block), plus ICT on the retriever and no dropout (README, "What
+  the tiny preset changes").
 """
 
 from __future__ import annotations

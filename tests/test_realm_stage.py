@@ -108,6 +108,36 @@ def test_ict_collator_removes_the_query_sentence_from_its_context(world):
             assert d == want[: p.block_len - 2]
 
 
+def test_reader_warmup_reads_the_own_block_and_its_loss_is_the_masked_lm_loss(world):
+    import datasets
+
+    from components.data.tokenize import load_tokenizer
+    from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
+
+    p = tiny_params().realm
+    blocks = datasets.load_from_disk(str(world / "data/tokens/blocks"))
+    sp = SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
+    rows = stage.eligible_rows(blocks, p, sp.mask, 0)[:5]
+    b = stage.ReaderWarmupCollator(blocks, p, sp)(rows, generator=torch.Generator().manual_seed(1))
+    assert b["z_input_ids"].shape[:2] == (len(rows), 1)
+    for i, r in enumerate(rows):  # z = the query's own block `z [SEP]`, and x is a masked window of it
+        z = b["z_input_ids"][i, 0][b["z_attention_mask"][i, 0].bool()].tolist()
+        assert z == list(blocks[r]["input_ids"])[: p.block_len - 2] + [sp.sep]
+        x, y = b["x_input_ids"][i].tolist(), b["x_labels"][i].tolist()
+        hidden = [t for t, lab in zip(x, y) if lab != stage.IGNORE_INDEX]
+        assert hidden and set(hidden) == {sp.mask}
+
+    # the fast path (MLM head at the masked tokens only) == cross-entropy of the full MLM logits
+    torch.manual_seed(0)
+    reader = KnowledgeAugmentedEncoder.from_pretrained(world / "models/retromae/encoder").eval()
+    out = stage.ReaderWarmupModel(reader)(b)
+    ids, mask, types = knowledge_augmented_inputs(b["x_input_ids"], b["x_attention_mask"], b["z_input_ids"], b["z_attention_mask"])
+    with torch.no_grad():
+        logits = reader(ids[:, 0], mask[:, 0], types[:, 0])[:, : b["x_labels"].shape[1]]  # (B, Lx, V)
+    want = torch.nn.functional.cross_entropy(logits.transpose(1, 2), b["x_labels"], ignore_index=stage.IGNORE_INDEX)
+    torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_probe_retrieval_recall_and_rank():
     emb = np.eye(4, dtype=np.float32)
     index = BlockIndex.build(emb, ["b0", "b1", "b2", "b3"], "flat")
@@ -142,6 +172,31 @@ def test_heldout_gold_is_the_other_blocks_holding_the_masked_answer():
     assert stage.heldout_probes([lonely], blocks, np.asarray(["a", "b", "c", "d"]), p, sp) is None  # unanswerable: dropped
 
 
+def test_same_entity_gold_keeps_the_answer_blocks_that_share_a_salient_span_with_x(world):
+    import datasets
+
+    from components.data.tokenize import load_tokenizer
+
+    p = tiny_params().realm
+    blocks = datasets.load_from_disk(str(world / "data/tokens/blocks"))
+    sp = SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
+    ids = np.asarray(blocks["block_id"])
+    queries = stage.fixed_queries(blocks, stage.eligible_rows(blocks, p, sp.mask, 0), p, sp, 1)
+    loose = stage.heldout_probes(queries, blocks, ids, p, sp)
+    tight = stage.heldout_probes(queries, blocks, ids, p, sp, same_entity=True)
+    assert tight.kind == "heldout_masked_same_entity" and 0 < len(tight) < len(loose)
+    loose_gold = dict(zip(loose.exclude, loose.gold))
+    by_row = {q.source_row: q for q in queries}
+    row_of = {b: r for r, b in enumerate(ids)}
+    for src, gold in zip(tight.exclude, tight.gold):
+        assert gold <= loose_gold[src]  # still blocks that hold the answer
+        ctx = stage.context_spans(by_row[src], blocks[src], p.span_tagger)
+        assert ctx and stage.masked_answer(by_row[src]) not in ctx
+        for b in gold:  # ... and that name one of the entities / dates x shows
+            assert any(stage._contains(list(blocks[row_of[b]]["input_ids"]), c) for c in ctx)
+    assert sum(map(len, tight.gold)) < sum(len(loose_gold[s]) for s in tight.exclude)  # coincidences dropped
+
+
 # ----------------------------------------------------------------------------------------------
 # the stage body
 # ----------------------------------------------------------------------------------------------
@@ -150,6 +205,9 @@ def test_sync_refresh_outputs_child_runs_and_step_boundary_swap(ws):
 
     assert summary["step"] == 4 and summary["refreshes"] == 2 and summary["failures"] == 0
     assert summary["retriever_init"] == "retromae" and summary["knowledge_augmented_encoder_init"] == "retromae"
+    # both warm-ups ran before REALM: ICT on the RetroMAE towers, and the reader on its own blocks
+    assert summary["ict_steps"] == 2 and summary["reader_warmup_steps"] == 2 and "reader_warmup_final_reader_acc" in summary
+    assert [s for s, _ in metric_steps(run_id, "reader_warmup_loss")] == [1, 2]
     assert 0.0 <= summary["recall_at_k"] <= 1.0 and summary["probe_set"] == "dev_questions"
     assert summary["heldout_n"] > 0 and 0.0 <= summary["heldout_recall_at_k_start"] <= 1.0
     assert 0.0 <= summary["eval_mlm_acc_start"] <= 1.0 and 0.0 <= summary["heldout_recall_at_k"] <= 1.0
@@ -159,6 +217,8 @@ def test_sync_refresh_outputs_child_runs_and_step_boundary_swap(ws):
     assert [v for _, v in metric_steps(run_id, "index_version")] == [1, 1, 2, 2]
     assert [s for s, _ in metric_steps(run_id, "probe_recall_at_k")] == [0, 2, 4]
     assert [s for s, _ in metric_steps(run_id, "heldout_recall_at_k")] == [0, 2, 4]
+    assert [s for s, _ in metric_steps(run_id, "heldout_entity_recall_at_k")] == [0, 2, 4]
+    assert summary["heldout_entity_n"] > 0 and 0.0 <= summary["heldout_entity_recall_at_k"] <= 1.0
 
     rows = plot_rows()
     assert {"step", "version", "recall_at_k", "mean_rank", "staleness", "refresh_seconds"} <= set(rows[0])

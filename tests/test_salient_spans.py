@@ -160,6 +160,21 @@ def test_salient_span_prefers_source_marked_spans_and_skips_blocks_without_spans
     assert make_query(block_row(wordpiece, TEXTS[3]), params(), np.random.default_rng(0), mask_token_id=mask_id) is None
 
 
+def test_exclude_spans_in_query_never_masks_a_span_the_block_repeats(wordpiece):
+    # "Kessa" is written twice, so x would still show it; "1879" occurs once and is the only choice
+    mask_id = wordpiece.token_to_id("[MASK]")
+    text = "The expedition ended in 1879 near the village of Kessa. kessa is small."
+    k1, k2 = text.index("Kessa"), text.index("kessa")
+    y = text.index("1879")
+    row = block_row(wordpiece, text, char_spans=[[y, y + 4], [k1, k1 + 5], [k2, k2 + 5]])
+    answers = lambda p: {wordpiece.decode([t for t in make_query(row, p, np.random.default_rng(s), mask_token_id=mask_id).labels  # noqa: E731
+                                           if t != IGNORE_INDEX]) for s in range(30)}
+    assert answers(params(exclude_spans_in_query=True)) == {"1879"}
+    assert answers(params(exclude_spans_in_query=False)) == {"1879", "kessa"}  # the paper's masking picks either
+    only_repeated = block_row(wordpiece, text, char_spans=[[k1, k1 + 5], [k2, k2 + 5]])
+    assert make_query(only_repeated, params(exclude_spans_in_query=True), np.random.default_rng(0), mask_token_id=mask_id) is None
+
+
 def test_spans_longer_than_max_masks_are_not_used(wordpiece):
     mask_id = wordpiece.token_to_id("[MASK]")
     row = block_row(wordpiece, TEXTS[0])

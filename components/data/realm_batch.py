@@ -18,7 +18,10 @@ Masking (`RealmParams.masking`), always ONE [MASK] per masked token (REALM does 
 * `salient_span` (paper, "salient span masking"): one named entity / date of the block, all its
   whole-word tokens; spans come from the block's `char_spans` (marked by the source), else from
   `find_salient_spans(text, span_tagger)`. Spans longer than `max_masks` are skipped; a block
-  without a usable span gives None (the released code skips such sentences too).
+  without a usable span gives None (the released code skips such sentences too). With
+  `exclude_spans_in_query`, only spans whose tokens occur once in the block count (REALM's x is
+  about a sentence; a multi-sentence window usually repeats the masked entity, which makes it
+  answerable from x alone).
 * `random_token` (BERT-style ablation): round(random_mask_ratio * len(x)) random tokens, at least 1
   and capped at `max_masks` (so every mode has the same worst-case label count per query; with the
   defaults, 0.15 * 46 = 7 < 10, the cap rarely binds).
@@ -107,6 +110,12 @@ def _window_start(n: int, width: int, starts: np.ndarray, rng: np.random.Generat
     return int(cand[rng.integers(len(cand))])
 
 
+def _occurs_once(ids: Sequence[int], span: tuple[int, int]) -> bool:
+    """Whether the tokens of `span` occur nowhere else in the block `ids`."""
+    needle, n = tuple(ids[span[0]:span[1]]), span[1] - span[0]
+    return not any(tuple(ids[i:i + n]) == needle for i in range(len(ids) - n + 1) if i != span[0])
+
+
 def _random_word_span(lo: int, hi: int, target: int, max_masks: int, word_ids: Sequence[int], starts: np.ndarray,
                       rng: np.random.Generator) -> tuple[int, int] | None:
     """A run of whole words inside [lo, hi) with about `target` tokens (never more than max_masks)."""
@@ -153,6 +162,12 @@ def make_query(
     if params.masking == "salient_span":
         if not salient:
             return None
+        if getattr(params, "exclude_spans_in_query", False):
+            # In entity-centred text the masked name is usually written again a sentence later; x
+            # then answers itself, p(y|x,z) does not depend on z and the retriever learns noise.
+            salient = [sp for sp in salient if _occurs_once(ids, sp)]
+            if not salient:
+                return None
         span = salient[rng.integers(len(salient))]
         w0 = _window_start(n, width, starts, rng, cover=span)
         positions = list(range(*span))

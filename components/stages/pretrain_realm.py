@@ -7,10 +7,13 @@
 One run, in order (Guu et al. 2020, sec. 3.4; ORQA, Lee et al. 2019, for ICT):
 
 1. `retriever` init (`realm.retriever_init`): `retromae` = towers from models/retromae/encoder;
-   `ict` = a random encoder warmed up with the Inverse Cloze Task for `realm.ict_steps` steps
-   (a sentence vs its block, in-batch negatives, the sentence removed from the block with
-   probability `ict_mask_rate`); `random`. The `knowledge_augmented_encoder` starts from
-   models/retromae/encoder (masked-LM weights) when it exists, else random.
+   `ict` = random towers; `random`. For `retromae` and `ict`, then `realm.ict_steps` of the Inverse
+   Cloze Task (a sentence vs its block, in-batch negatives, the sentence removed from the block
+   with probability `ict_mask_rate`): REALM's own warm start, here on top of RetroMAE's. The
+   `knowledge_augmented_encoder` starts from models/retromae/encoder (masked-LM weights) when it
+   exists, else random; `realm.reader_warmup_steps` then train it alone to read its own block
+   (REALM's reader is pre-trained BERT, which already reads; ours has had a minute of RetroMAE).
+   Neither warm-up sees the held-out blocks.
 2. Training examples: `make_query` (salient-span masking) over the retrieval blocks. The collate
    embeds each batch's queries with the live query tower and searches the CURRENT index (slot 0 =
    `null_document`, the source block excluded); REALM.forward rescores the K candidates with
@@ -34,6 +37,9 @@ Probe quality over time, with the snapshot's query tower against each new index 
   blocks that never give a training query; gold = the OTHER blocks that contain the masked answer
   (what REALM's reader can use), the query's own block left out of the ranking as in training.
   Also the held-out masked-token accuracy at step 0 and at the end (`eval_mlm_acc*`).
+* `heldout_entity_recall_at_k` / `heldout_entity_mean_rank`: the same queries, gold = those blocks
+  that also name one of x's other salient spans (the gold *document*: about what x is about, and
+  holding the answer), not a block that mentions the same value in passing.
 Staleness: overlap@k of the top-k for `staleness_probes` fixed training queries under the previous
 index vs the new one. `refresh_every: 0` never refreshes during training (the stale-index ablation,
 bench/realm_refresh_ablation.py); the final index is still rebuilt from the final weights.
@@ -74,12 +80,13 @@ from torch import nn
 
 from components.config import Params, RealmParams
 from components.data.realm_batch import (
-    IGNORE_INDEX, RealmQuery, SpecialTokens, build_batch, collate_queries, make_query, passage_inputs,
+    IGNORE_INDEX, NULL_ROW, RealmQuery, SpecialTokens, build_batch, collate, collate_queries, make_query, passage_inputs,
+    salient_token_spans,
 )
 from components.index.faiss_index import BlockIndex, IndexStore, resolve_index_type
 from components.index.refresh import AsyncRefresher, RefreshResult, embed_blocks, snapshot_module, staleness
 from components.io import atomic_dir, write_json_atomic, write_text_atomic
-from components.models.realm import REALM, REALM_CONFIG, KnowledgeAugmentedEncoder, Retriever
+from components.models.realm import REALM, REALM_CONFIG, KnowledgeAugmentedEncoder, Retriever, knowledge_augmented_inputs
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
 from components.training.trainer import Trainer
@@ -93,7 +100,8 @@ RETROMAE_ENCODER = Path("models/retromae/encoder")
 OUT = Path("models/realm")
 METRICS_FILE = Path("metrics") / f"{STAGE}.json"
 PLOT_FILE = Path("plots/realm_refresh.csv")
-PLOT_COLUMNS = ["step", "version", "recall_at_k", "mean_rank", "heldout_recall_at_k", "heldout_mean_rank", "staleness",
+PLOT_COLUMNS = ["step", "version", "recall_at_k", "mean_rank", "heldout_recall_at_k", "heldout_mean_rank",
+                "heldout_entity_recall_at_k", "heldout_entity_mean_rank", "staleness",
                 "refresh_seconds", "reason",
                 "swap_step", "blocks_per_s", "tokens_per_s", "index_size"]
 RANK_DEPTH = 1000  # mean gold rank is exact up to this depth; a gold doc not found counts as depth + 1
@@ -212,17 +220,40 @@ def answer_blocks(queries: list[RealmQuery], block_tokens) -> list[set[int]]:  #
             for q, n in zip(queries, needles)]
 
 
-def heldout_probes(queries: list[RealmQuery], blocks, block_ids: np.ndarray, p: RealmParams, special: SpecialTokens) -> Probes | None:
+def context_spans(q: RealmQuery, block_row: dict, tagger: str = "auto") -> list[tuple[int, ...]]:
+    """The token sequences of the salient spans that x shows unmasked (its entities / dates other than
+    the answer): what x is about."""
+    ids = [int(t) for t in block_row["input_ids"]]
+    answer = masked_answer(q)
+    spans = {tuple(ids[s:e]) for s, e in salient_token_spans(block_row, tagger)}
+    return sorted(sp for sp in spans if sp and sp != answer and _contains(q.input_ids, sp))
+
+
+def heldout_probes(queries: list[RealmQuery], blocks, block_ids: np.ndarray, p: RealmParams, special: SpecialTokens,
+                   same_entity: bool = False) -> Probes | None:
     """Held-out masked queries -> Probes with block-level gold: the OTHER blocks that contain the
     masked answer (what REALM's retriever is trained to find; the query's own block, of which x
     is a copy, is left out of the ranking as it is left out of training's candidates). Queries
-    whose answer is in no other block cannot be helped by retrieval and are dropped."""
+    whose answer is in no other block cannot be helped by retrieval and are dropped.
+
+    `same_entity`: gold blocks must also contain one of x's other salient spans (`context_spans`),
+    i.e. be about what x is about. Without it, a block that mentions the same value in passing
+    counts ("known for its trout" of another river); in the synthetic world such coincidences are
+    most of the loose gold (5.6 blocks per query, while a fact is stated by at most 2 documents)."""
     gold_rows = answer_blocks(queries, blocks)
+    if same_entity:
+        cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text") if c in blocks.column_names]
+        sub = blocks.select_columns(cols)
+        for i, q in enumerate(queries):
+            ctx = context_spans(q, sub[int(q.source_row)], p.span_tagger)
+            gold_rows[i] = {r for r in gold_rows[i]
+                            if any(_contains([int(t) for t in sub[int(r)]["input_ids"]], sp) for sp in ctx)}
     keep = [i for i, g in enumerate(gold_rows) if g]
     if not keep:
         return None
     x = collate_queries([queries[i] for i in keep], p, special)
-    return Probes("heldout_masked", {k: x[k] for k in ("x_input_ids", "x_attention_mask")},
+    return Probes("heldout_masked_same_entity" if same_entity else "heldout_masked",
+                  {k: x[k] for k in ("x_input_ids", "x_attention_mask")},
                   [{str(block_ids[r]) for r in gold_rows[i]} for i in keep], level="block",
                   exclude=[queries[i].source_row for i in keep])
 
@@ -342,19 +373,81 @@ def ict_eligible_rows(blocks) -> list[int]:
     return [r for r, row in _iter_block_rows(blocks, ["text", "offsets"]) if len(sentence_token_spans(row["text"], row["offsets"])) >= 2]
 
 
-def ict_warmup(retriever: Retriever, blocks, params: Params, special: SpecialTokens, out_dir: Path, run=None) -> dict:
-    """Train `retriever` in place with ICT for `realm.ict_steps` steps (resumable, own checkpoints)."""
+def ict_warmup(retriever: Retriever, blocks, params: Params, special: SpecialTokens, out_dir: Path, run=None,
+               exclude: set[int] = frozenset()) -> dict:
+    """Train `retriever` in place with ICT for `realm.ict_steps` steps (resumable, own checkpoints),
+    on every block with two sentences except the rows in `exclude` (the held-out blocks)."""
     p = params.realm
-    rows = ict_eligible_rows(blocks)
-    train = p.train.model_copy(update={"max_steps": p.ict_steps, "checkpoint_every": max(1, min(p.train.checkpoint_every, p.ict_steps))})
+    rows = [r for r in ict_eligible_rows(blocks) if r not in exclude]
+    train = p.train.model_copy(update={"max_steps": p.ict_steps, "lr": p.ict_lr, "batch_size": p.ict_batch_size,
+                                       "checkpoint_every": max(1, min(p.train.checkpoint_every, p.ict_steps))})
     if len(rows) < train.batch_size:
-        raise ValueError(f"ICT needs at least realm.train.batch_size={train.batch_size} blocks with two sentences; found {len(rows)}")
+        raise ValueError(f"ICT needs at least realm.ict_batch_size={train.batch_size} blocks with two sentences "
+                         f"(held-out blocks excluded); found {len(rows)}: lower realm.ict_batch_size or set realm.ict_steps to 0")
     logger = RankZeroLogger(run)
     trainer = Trainer(ICTModel(retriever), rows, ICTCollator(blocks, p, special, p.ict_mask_rate), train, params.compute,
                       out_dir, log_fn=lambda m, s: logger({f"ict_{k}": v for k, v in m.items()}, s),
                       log_every=params.tracking.log_every, param_prefix="realm.ict", progress=False)
     result = trainer.fit()
     return {"ict_steps": result.step, **{f"ict_final_{k}": v for k, v in result.metrics.items() if k in ("loss", "ict_acc")}}
+
+
+# ----------------------------------------------------------------------------------------------
+# reader warm-up (realm.reader_warmup_steps)
+# ----------------------------------------------------------------------------------------------
+class ReaderWarmupCollator:
+    """rows -> one REALM query per row with its OWN block as the only document: `x_*` (B, Lx) and
+    `z_*` (B, 1, Lz). The own block holds x unmasked, so the task is to find x's context in z and
+    copy the hidden span: reading, the skill REALM's BERT reader starts with and a small encoder
+    pre-trained for minutes on one CPU lacks (bench/realm_toy.py: without it the retriever only
+    learns noise)."""
+
+    def __init__(self, blocks, p: RealmParams, special: SpecialTokens):
+        self.blocks, self.lookup, self.p, self.special = blocks, blocks.select_columns(["input_ids"]), p, special
+
+    def __call__(self, rows: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        rng = np.random.default_rng(generator.initial_seed() if generator is not None else 0)
+        queries = [q for r in rows if (q := make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r)))]
+        own = np.asarray([[NULL_ROW, q.source_row] for q in queries], dtype=np.int64).reshape(len(queries), 2)
+        batch = collate(queries, own, self.lookup, self.p, self.special)
+        return {**{k: batch[k] for k in ("x_input_ids", "x_attention_mask", "x_labels")},
+                "z_input_ids": batch["z_input_ids"][:, 1:], "z_attention_mask": batch["z_attention_mask"][:, 1:]}  # drop the null slot
+
+
+class ReaderWarmupModel(nn.Module):
+    """Masked-token cross-entropy of the knowledge-augmented encoder reading `[CLS] x [SEP] z [SEP]`."""
+
+    def __init__(self, reader: KnowledgeAugmentedEncoder):
+        super().__init__()
+        self.knowledge_augmented_encoder = reader
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        labels = batch["x_labels"]
+        mask_batch, mask_pos = (labels != IGNORE_INDEX).nonzero(as_tuple=True)  # (M,), (M,)
+        targets = labels[mask_batch, mask_pos]  # (M,)
+        reader = self.knowledge_augmented_encoder
+        ids, mask, types = knowledge_augmented_inputs(batch["x_input_ids"], batch["x_attention_mask"], batch["z_input_ids"],
+                                                      batch["z_attention_mask"], reader.pad_token_id)  # (B, 1, L)
+        log_py = reader.masked_log_probs(ids, mask, types, mask_batch, mask_pos)[:, 0]  # (M, V)
+        loss = F.nll_loss(log_py, targets) if targets.numel() else log_py.sum() * 0.0
+        return {"loss": loss, "reader_acc": (log_py.argmax(-1) == targets).float().mean().nan_to_num(0.0).detach()}
+
+
+def reader_warmup(reader: KnowledgeAugmentedEncoder, blocks, rows: list[int], params: Params, special: SpecialTokens,
+                  out_dir: Path, run=None) -> dict:
+    """Train `reader` in place for `realm.reader_warmup_steps` steps on its own-block task (resumable,
+    own checkpoints). The retriever is untouched. `rows` must leave out the held-out blocks."""
+    p = params.realm
+    train = p.train.model_copy(update={"max_steps": p.reader_warmup_steps, "lr": p.reader_warmup_lr,
+                                       "batch_size": p.reader_warmup_batch_size, "num_workers": 0,
+                                       "checkpoint_every": max(1, min(p.train.checkpoint_every * 5, p.reader_warmup_steps))})
+    logger = RankZeroLogger(run)
+    trainer = Trainer(ReaderWarmupModel(reader), rows, ReaderWarmupCollator(blocks, p, special), train, params.compute,
+                      out_dir, log_fn=lambda m, s: logger({f"reader_warmup_{k}": v for k, v in m.items()}, s),
+                      log_every=params.tracking.log_every, param_prefix="realm.reader_warmup", progress=False)
+    result = trainer.fit()
+    return {"reader_warmup_steps": result.step,
+            **{f"reader_warmup_final_{k}": v for k, v in result.metrics.items() if k in ("loss", "reader_acc")}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,15 +620,16 @@ class IndexRefresh:
         if self.run is not None and self.rank0:
             names = {"recall_at_k": "probe_recall_at_k", "mean_rank": "probe_mean_rank", "staleness": "staleness",
                      "heldout_recall_at_k": "heldout_recall_at_k", "heldout_mean_rank": "heldout_mean_rank",
+                     "heldout_entity_recall_at_k": "heldout_entity_recall_at_k", "heldout_entity_mean_rank": "heldout_entity_mean_rank",
                      "refresh_seconds": "refresh_seconds"}
             m = {names[k]: float(stats[k]) for k in names if stats.get(k) is not None}
             m["refresh_version"] = float(stats.get("version") or 0)
             self.run.log_metrics(m, stats["step"])
         log.log(logging.INFO if self.rank0 else logging.DEBUG,
-                "refresh_index %s: step %d -> v%s in %.2fs (swapped in after step %d) recall@%d=%s heldout=%s staleness=%s",
-                stats["reason"], stats["step"], stats.get("version"), stats["refresh_seconds"], swap_step,
-                self.ctx.p.staleness_k, _fmt(stats.get("recall_at_k")), _fmt(stats.get("heldout_recall_at_k")),
-                _fmt(stats.get("staleness")))
+                "refresh_index %s: step %d -> v%s in %.2fs (swapped in after step %d) recall@%d=%s heldout=%s "
+                "heldout_entity=%s staleness=%s", stats["reason"], stats["step"], stats.get("version"), stats["refresh_seconds"],
+                swap_step, self.ctx.p.staleness_k, _fmt(stats.get("recall_at_k")), _fmt(stats.get("heldout_recall_at_k")),
+                _fmt(stats.get("heldout_entity_recall_at_k")), _fmt(stats.get("staleness")))
 
     def _on_done(self, res: RefreshResult) -> None:
         self._swap(res.index, res.stats, res.swap_step if res.swap_step is not None else res.step)
@@ -631,8 +725,8 @@ def _encoder_config(params: Params, tokenizer, retromae_dir: Path):
 
 
 def build_model(params: Params, tokenizer, blocks, special: SpecialTokens, ckpt_root: Path, retromae_dir: Path,
-                run=None) -> tuple[REALM, dict]:
-    """REALM with the retriever per `realm.retriever_init` and the reader from RetroMAE (else random)."""
+                run=None, heldout: set[int] = frozenset()) -> tuple[REALM, dict]:
+    """REALM with the retriever per `realm.retriever_init` (+ ICT) and the reader from RetroMAE (else random)."""
     p = params.realm
     torch.manual_seed(params.compute.seed)  # same projection/reader init for every variant of a comparison
     info: dict[str, Any] = {"retriever_init": p.retriever_init}
@@ -643,13 +737,11 @@ def build_model(params: Params, tokenizer, blocks, special: SpecialTokens, ckpt_
                                     "or set realm.retriever_init to ict or random")
         retriever = Retriever.from_encoder(retromae_dir, p.retriever_dim, p.share_towers)
     else:
-        cfg = _encoder_config(params, tokenizer, retromae_dir)
-        retriever = Retriever.from_config(cfg, p.retriever_dim, p.share_towers)
-        if p.retriever_init == "ict":
-            if p.ict_steps == 0:
-                log.warning("realm.retriever_init=ict with realm.ict_steps=0: the retriever stays random")
-            else:
-                info.update(ict_warmup(retriever, blocks, params, special, ckpt_root / "ict", run))
+        retriever = Retriever.from_config(_encoder_config(params, tokenizer, retromae_dir), p.retriever_dim, p.share_towers)
+    if p.retriever_init == "ict" and p.ict_steps == 0:
+        log.warning("realm.retriever_init=ict with realm.ict_steps=0: the retriever stays random")
+    if p.retriever_init in ("ict", "retromae") and p.ict_steps:
+        info.update(ict_warmup(retriever, blocks, params, special, ckpt_root / "ict", run, exclude=heldout))
     if has_retromae:
         reader = KnowledgeAugmentedEncoder.from_pretrained(retromae_dir)
         info["knowledge_augmented_encoder_init"] = "retromae"
@@ -754,13 +846,17 @@ def train_realm(
     stale_rows = rng.choice(train_rows, size=min(p.staleness_probes, len(train_rows)), replace=False).tolist()
     stale_x = collate_queries(fixed_queries(blocks, stale_rows, p, special, seed + 2), p, special)
     held_probes = heldout_probes(held_queries, blocks, block_ids, p, special) if held_queries else None
+    held_entity = heldout_probes(held_queries, blocks, block_ids, p, special, same_entity=True) if held_queries else None
     probes = dev_question_probes(corpus_dir, tokenizer, p, special, set(block_doc.tolist())) or held_probes
-    probe_sets = {"": probes, "heldout_": held_probes}
+    probe_sets = {"": probes, "heldout_": held_probes, "heldout_entity_": held_entity}
     log.info("%s: %d blocks, %d trainable (+%d held out, %d with an answer in another block), probes: %s (%d)", STAGE,
              len(blocks), len(train_rows), len(held), len(held_probes) if held_probes else 0,
              probes.kind if probes else "none", len(probes) if probes else 0)
 
-    model, info = build_model(params, tokenizer, blocks, special, ckpt_root, retromae_dir, run)
+    model, info = build_model(params, tokenizer, blocks, special, ckpt_root, retromae_dir, run, heldout=set(held))
+    if p.reader_warmup_steps:
+        info.update(reader_warmup(model.knowledge_augmented_encoder, blocks, train_rows, params, special,
+                                  ckpt_root / "reader_warmup", run))
     if run is not None and rank0:
         run.set_tags({"realm.knowledge_augmented_encoder_init": info["knowledge_augmented_encoder_init"],
                       "realm.probe_set": probes.kind if probes else "none"})
@@ -825,6 +921,12 @@ def train_realm(
         "heldout_recall_at_k_start": start.get("heldout_recall_at_k"), "heldout_mean_rank_start": start.get("heldout_mean_rank"),
         "heldout_recall_at_k": last.get("heldout_recall_at_k"), "heldout_mean_rank": last.get("heldout_mean_rank"),
         "heldout_recall_at_k_train_index": train_probe.get("heldout_recall_at_k"),
+        "heldout_entity_n": len(held_entity) if held_entity else 0,
+        "heldout_entity_recall_at_k_start": start.get("heldout_entity_recall_at_k"),
+        "heldout_entity_mean_rank_start": start.get("heldout_entity_mean_rank"),
+        "heldout_entity_recall_at_k": last.get("heldout_entity_recall_at_k"),
+        "heldout_entity_mean_rank": last.get("heldout_entity_mean_rank"),
+        "heldout_entity_recall_at_k_train_index": train_probe.get("heldout_entity_recall_at_k"),
         "refreshes": sum(1 for r in cadence if r.get("ok")), "failures": sum(1 for r in cadence if not r.get("ok")),
         "mean_staleness": float(np.mean(stale_vals)) if stale_vals else None,
         "final_index_version": final_index.version, "first_index_version": first.version if first else None,
