@@ -46,11 +46,13 @@ OVERRIDES = {
     "realm.train.max_steps": 10,
     "realm.train.checkpoint_every": 2,
     "realm.train.keep_checkpoints": 2,
-    # fine-tune: 8 retrieval steps, then 8 open-QA steps, a checkpoint every 2 in each
+    # fine-tune: 8 retrieval steps (a checkpoint every 2), then 60 open-QA steps (every 10). A step
+    # takes ~20 ms here: with only 8 QA steps, a kill at the 5th or 6th checkpoint plus up to 0.4 s
+    # could land after the stage had finished (seen in CI), leaving no interrupted run to resume.
     "finetune.train.max_steps": 8,
     "finetune.train.checkpoint_every": 2,
-    "finetune.qa_train.max_steps": 8,
-    "finetune.qa_train.checkpoint_every": 2,
+    "finetune.qa_train.max_steps": 60,
+    "finetune.qa_train.checkpoint_every": 10,
 }
 
 # stage -> (its trainers' checkpoint folders, the losses it logs, its output folder)
@@ -167,7 +169,7 @@ def _kill_at_a_random_step(ws: Path, stage: str, prefect_api: str) -> tuple[str,
     the last), then a random fraction of a second more, and SIGKILL its whole process group."""
     trainers, _, _ = STAGES[stage]
     rng = random.Random()
-    target = rng.randint(1, 3 if stage == "pretrain_realm" else 6)  # REALM saves 5 checkpoints, finetune 4 + 4
+    target = rng.randint(1, 3 if stage == "pretrain_realm" else 6)  # REALM saves 5 checkpoints, finetune 4 + 6
     victim = _launch(ws, stage, prefect_api)
     seen: set[tuple[str, int]] = set()
     deadline = time.monotonic() + 400
@@ -177,6 +179,7 @@ def _kill_at_a_random_step(ws: Path, stage: str, prefect_api: str) -> tuple[str,
         seen |= {(t, s) for t, steps in _checkpoints(ws, trainers).items() for s in steps}
         time.sleep(0.02)
     time.sleep(rng.uniform(0, 0.4))  # anywhere inside the next steps, checkpoint writes included
+    assert victim.poll() is None, f"the {stage} stage finished before its kill point (checkpoint #{target}): give it more steps"
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     committed = _checkpoints(ws, trainers)
