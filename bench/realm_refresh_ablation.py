@@ -73,10 +73,6 @@ def _csv_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
 def _num(s: str) -> float | None:
     return round(float(s), 4) if s not in ("", None) else None
 
@@ -119,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")
     os.replace(tmp, args.out)
+    from components.stages.pretrain_realm import _fmt  # "-" or 3 decimals, as the stage's own log lines
+
     k = out["k"]
     for name, r in results.items():
         print(f"{name} ({r['wall_s']} s): mean staleness {_fmt(r['mean_staleness'])}, masked-token acc {_fmt(r['mlm_acc'])} "

@@ -229,25 +229,39 @@ def context_spans(q: RealmQuery, block_row: dict, tagger: str = "auto") -> list[
     return sorted(sp for sp in spans if sp and sp != answer and _contains(q.input_ids, sp))
 
 
+def same_entity_gold(queries: list[RealmQuery], gold_rows: list[set[int]], blocks, tagger: str = "auto") -> list[set[int]]:
+    """Of each query's `gold_rows` (`answer_blocks`), the blocks that also contain one of x's other
+    salient spans (`context_spans`): about what x is about. Without this, a block that mentions the
+    same value in passing counts ("known for its trout" of another river); in the synthetic world such
+    coincidences are most of the loose gold (5.7 blocks per query, while a fact is stated by at most 2
+    documents)."""
+    sub = blocks.select_columns([c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text") if c in blocks.column_names])
+    tokens: dict[int, list[int]] = {}
+
+    def ids(r: int) -> list[int]:
+        if r not in tokens:
+            tokens[r] = [int(t) for t in sub[int(r)]["input_ids"]]
+        return tokens[r]
+
+    out = []
+    for q, gold in zip(queries, gold_rows):
+        ctx = context_spans(q, sub[int(q.source_row)], tagger)
+        out.append({r for r in gold if any(_contains(ids(r), sp) for sp in ctx)})
+    return out
+
+
 def heldout_probes(queries: list[RealmQuery], blocks, block_ids: np.ndarray, p: RealmParams, special: SpecialTokens,
-                   same_entity: bool = False) -> Probes | None:
+                   same_entity: bool = False, gold_rows: list[set[int]] | None = None) -> Probes | None:
     """Held-out masked queries -> Probes with block-level gold: the OTHER blocks that contain the
     masked answer (what REALM's retriever is trained to find; the query's own block, of which x
     is a copy, is left out of the ranking as it is left out of training's candidates). Queries
     whose answer is in no other block cannot be helped by retrieval and are dropped.
 
-    `same_entity`: gold blocks must also contain one of x's other salient spans (`context_spans`),
-    i.e. be about what x is about. Without it, a block that mentions the same value in passing
-    counts ("known for its trout" of another river); in the synthetic world such coincidences are
-    most of the loose gold (5.6 blocks per query, while a fact is stated by at most 2 documents)."""
-    gold_rows = answer_blocks(queries, blocks)
+    `same_entity`: only those that are about what x is about (`same_entity_gold`). `gold_rows`:
+    `answer_blocks(queries, blocks)` when the caller already has it (it scans the whole corpus)."""
+    gold_rows = answer_blocks(queries, blocks) if gold_rows is None else gold_rows
     if same_entity:
-        cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text") if c in blocks.column_names]
-        sub = blocks.select_columns(cols)
-        for i, q in enumerate(queries):
-            ctx = context_spans(q, sub[int(q.source_row)], p.span_tagger)
-            gold_rows[i] = {r for r in gold_rows[i]
-                            if any(_contains([int(t) for t in sub[int(r)]["input_ids"]], sp) for sp in ctx)}
+        gold_rows = same_entity_gold(queries, gold_rows, blocks, p.span_tagger)
     keep = [i for i, g in enumerate(gold_rows) if g]
     if not keep:
         return None
@@ -379,17 +393,27 @@ def ict_warmup(retriever: Retriever, blocks, params: Params, special: SpecialTok
     on every block with two sentences except the rows in `exclude` (the held-out blocks)."""
     p = params.realm
     rows = [r for r in ict_eligible_rows(blocks) if r not in exclude]
-    train = p.train.model_copy(update={"max_steps": p.ict_steps, "lr": p.ict_lr, "batch_size": p.ict_batch_size,
-                                       "checkpoint_every": max(1, min(p.train.checkpoint_every, p.ict_steps))})
-    if len(rows) < train.batch_size:
-        raise ValueError(f"ICT needs at least realm.ict_batch_size={train.batch_size} blocks with two sentences "
+    if len(rows) < p.ict_batch_size:
+        raise ValueError(f"ICT needs at least realm.ict_batch_size={p.ict_batch_size} blocks with two sentences "
                          f"(held-out blocks excluded); found {len(rows)}: lower realm.ict_batch_size or set realm.ict_steps to 0")
+    return run_warmup(ICTModel(retriever), rows, ICTCollator(blocks, p, special, p.ict_mask_rate), params, out_dir, run,
+                      name="ict", steps=p.ict_steps, lr=p.ict_lr, batch_size=p.ict_batch_size, report=("loss", "ict_acc"))
+
+
+def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_dir: Path, run=None, *, name: str,
+               steps: int, lr: float, batch_size: int, report: tuple[str, ...]) -> dict:
+    """One warm-up before REALM on the shared Trainer (resumable, own checkpoints in `out_dir`, the
+    rest of `realm.train` for the other knobs), its metrics logged as `{name}_*`. Returns
+    `{name}_steps` and `{name}_final_<m>` for each metric m in `report`."""
+    p = params.realm
+    train = p.train.model_copy(update={"max_steps": steps, "lr": lr, "batch_size": batch_size,
+                                       "checkpoint_every": max(1, min(p.train.checkpoint_every, steps))})
     logger = RankZeroLogger(run)
-    trainer = Trainer(ICTModel(retriever), rows, ICTCollator(blocks, p, special, p.ict_mask_rate), train, params.compute,
-                      out_dir, log_fn=lambda m, s: logger({f"ict_{k}": v for k, v in m.items()}, s),
-                      log_every=params.tracking.log_every, param_prefix="realm.ict", progress=False)
+    trainer = Trainer(model, rows, collator, train, params.compute, out_dir,
+                      log_fn=lambda m, s: logger({f"{name}_{k}": v for k, v in m.items()}, s),
+                      log_every=params.tracking.log_every, param_prefix=f"realm.{name}", progress=False)
     result = trainer.fit()
-    return {"ict_steps": result.step, **{f"ict_final_{k}": v for k, v in result.metrics.items() if k in ("loss", "ict_acc")}}
+    return {f"{name}_steps": result.step, **{f"{name}_final_{k}": v for k, v in result.metrics.items() if k in report}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,16 +462,9 @@ def reader_warmup(reader: KnowledgeAugmentedEncoder, blocks, rows: list[int], pa
     """Train `reader` in place for `realm.reader_warmup_steps` steps on its own-block task (resumable,
     own checkpoints). The retriever is untouched. `rows` must leave out the held-out blocks."""
     p = params.realm
-    train = p.train.model_copy(update={"max_steps": p.reader_warmup_steps, "lr": p.reader_warmup_lr,
-                                       "batch_size": p.reader_warmup_batch_size, "num_workers": 0,
-                                       "checkpoint_every": max(1, min(p.train.checkpoint_every * 5, p.reader_warmup_steps))})
-    logger = RankZeroLogger(run)
-    trainer = Trainer(ReaderWarmupModel(reader), rows, ReaderWarmupCollator(blocks, p, special), train, params.compute,
-                      out_dir, log_fn=lambda m, s: logger({f"reader_warmup_{k}": v for k, v in m.items()}, s),
-                      log_every=params.tracking.log_every, param_prefix="realm.reader_warmup", progress=False)
-    result = trainer.fit()
-    return {"reader_warmup_steps": result.step,
-            **{f"reader_warmup_final_{k}": v for k, v in result.metrics.items() if k in ("loss", "reader_acc")}}
+    return run_warmup(ReaderWarmupModel(reader), rows, ReaderWarmupCollator(blocks, p, special), params, out_dir, run,
+                      name="reader_warmup", steps=p.reader_warmup_steps, lr=p.reader_warmup_lr,
+                      batch_size=p.reader_warmup_batch_size, report=("loss", "reader_acc"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -845,8 +862,11 @@ def train_realm(
     held_queries = fixed_queries(blocks, held, p, special, seed + 1)
     stale_rows = rng.choice(train_rows, size=min(p.staleness_probes, len(train_rows)), replace=False).tolist()
     stale_x = collate_queries(fixed_queries(blocks, stale_rows, p, special, seed + 2), p, special)
-    held_probes = heldout_probes(held_queries, blocks, block_ids, p, special) if held_queries else None
-    held_entity = heldout_probes(held_queries, blocks, block_ids, p, special, same_entity=True) if held_queries else None
+    held_probes = held_entity = None
+    if held_queries:
+        answers = answer_blocks(held_queries, blocks)  # one pass over the corpus serves both gold definitions
+        held_probes = heldout_probes(held_queries, blocks, block_ids, p, special, gold_rows=answers)
+        held_entity = heldout_probes(held_queries, blocks, block_ids, p, special, same_entity=True, gold_rows=answers)
     probes = dev_question_probes(corpus_dir, tokenizer, p, special, set(block_doc.tolist())) or held_probes
     probe_sets = {"": probes, "heldout_": held_probes, "heldout_entity_": held_entity}
     log.info("%s: %d blocks, %d trainable (+%d held out, %d with an answer in another block), probes: %s (%d)", STAGE,
