@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (both arms)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--arm", choices=["both", "refreshed", "never"], default="both", help="run one arm only (exploring)")
     args = ap.parse_args(argv)
 
     import logging
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     if cadence == 0:
         sys.exit("realm.refresh_every is 0 in the params: nothing to compare against never refreshing")
     arms = {f"refresh_every_{cadence}": base, "never_refresh": {**base, "realm.refresh_every": 0}}
+    if args.arm != "both":
+        arms = dict([list(arms.items())[args.arm == "never"]])
     results = {}
     for name, ov in arms.items():
         params = load_params(args.params, overrides=ov)

@@ -138,6 +138,76 @@ def test_reader_warmup_reads_the_own_block_and_its_loss_is_the_masked_lm_loss(wo
     torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-4, atol=1e-5)
 
 
+def _world_blocks(world):
+    import datasets
+
+    from components.data.tokenize import load_tokenizer
+
+    blocks = datasets.load_from_disk(str(world / "data/tokens/blocks"))
+    return blocks, SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
+
+
+def _z_tokens(b, i: int) -> list[int]:
+    return b["z_input_ids"][i, 0][b["z_attention_mask"][i, 0].bool()].tolist()[:-1]  # drop `[SEP]`
+
+
+def test_answer_docs_state_the_hidden_span_about_what_x_names(world):
+    blocks, sp = _world_blocks(world)
+    p = tiny_params().realm
+    index = stage.SalientSpanIndex(blocks, p.span_tagger)
+    queries = stage.fixed_queries(blocks, stage.eligible_rows(blocks, p, sp.mask, 0), p, sp, 1)
+    found = [index.answer_docs(q) for q in queries]
+    assert 0 < sum(map(bool, found)) < len(queries)  # some facts are stated twice, most are not
+    gold = stage.same_entity_gold(queries, stage.answer_blocks(queries, blocks), blocks, p.span_tagger)
+    for q, docs, g in zip(queries, found, gold):
+        assert q.source_row not in docs
+        assert docs <= g  # holds the answer and one of x's other salient spans (the probe's definition) ...
+        for r in docs:  # ... with the answer as a salient span of its own, not inside a longer word
+            ids = list(blocks[r]["input_ids"])
+            assert stage.masked_answer(q) in {tuple(ids[s:e]) for s, e in stage.salient_token_spans(blocks[r], p.span_tagger)}
+
+
+def test_reader_warmup_answer_block_reads_another_statement_of_the_fact(world):
+    blocks, sp = _world_blocks(world)
+    p = tiny_params(**{"realm.reader_warmup_doc": "answer_block", "realm.reader_warmup_swap_answer": 0.0}).realm
+    rows = stage.eligible_rows(blocks, p, sp.mask, 0)
+    index = stage.SalientSpanIndex(blocks, p.span_tagger)
+    allowed = set(rows[::2])  # documents may only come from these rows (the held-out blocks stay out)
+    col = stage.ReaderWarmupCollator(blocks, p, sp, index, allowed)
+    examples = col.examples(rows, np.random.default_rng(3))
+    assert len(examples) == len(rows)
+    other = 0
+    for q, z in examples:
+        docs = index.answer_docs(q) & allowed
+        assert z in ([list(blocks[r]["input_ids"]) for r in docs] or [list(blocks[q.source_row]["input_ids"])])
+        other += bool(docs)
+    assert other > 0  # not only the fallback
+    b = col(rows[:4], generator=torch.Generator().manual_seed(3))  # the batch carries the same documents
+    for i, (q, z) in enumerate(col.examples(rows[:4], np.random.default_rng(torch.Generator().manual_seed(3).initial_seed()))):
+        assert _z_tokens(b, i) == z[: p.block_len - 2]
+
+
+def test_reader_warmup_swap_replaces_the_answer_in_labels_and_document(world):
+    blocks, sp = _world_blocks(world)
+    p = tiny_params(**{"realm.reader_warmup_doc": "own_block", "realm.reader_warmup_swap_answer": 0.0}).realm
+    rows = stage.eligible_rows(blocks, p, sp.mask, 0)[:20]
+    col = stage.ReaderWarmupCollator(blocks, p, sp, stage.SalientSpanIndex(blocks, p.span_tagger), set(rows))
+    rng = np.random.default_rng(5)
+    for q, z in col.examples(rows, rng):
+        answer, labels, z0 = stage.masked_answer(q), list(q.labels), list(z)
+        q2, z2 = col.swap_answer(q, z, rng)
+        assert q.labels == labels and z == z0  # the inputs are not modified
+        new = stage.masked_answer(q2)
+        assert q2.input_ids == q.input_ids and len(new) == len(answer) and new != answer
+        assert new in col.spans.by_len[len(answer)]  # another salient span of the corpus
+        # z2 = z with each occurrence of the answer (the own block has one, where x hides it) replaced by `new`
+        starts = [i for i in range(len(z)) if tuple(z[i:i + len(answer)]) == answer]
+        assert starts and len(z2) == len(z)
+        for i in range(len(z)):
+            hit = next((s for s in starts if s <= i < s + len(answer)), None)
+            assert z2[i] == (new[i - hit] if hit is not None else z[i])
+
+
 def test_probe_retrieval_recall_and_rank():
     emb = np.eye(4, dtype=np.float32)
     index = BlockIndex.build(emb, ["b0", "b1", "b2", "b3"], "flat")

@@ -11,8 +11,9 @@ One run, in order (Guu et al. 2020, sec. 3.4; ORQA, Lee et al. 2019, for ICT):
    Cloze Task (a sentence vs its block, in-batch negatives, the sentence removed from the block
    with probability `ict_mask_rate`): REALM's own warm start, here on top of RetroMAE's. The
    `knowledge_augmented_encoder` starts from models/retromae/encoder (masked-LM weights) when it
-   exists, else random; `realm.reader_warmup_steps` then train it alone to read its own block
-   (REALM's reader is pre-trained BERT, which already reads; ours has had a minute of RetroMAE).
+   exists, else random; `realm.reader_warmup_steps` then train it alone to read (`ReaderWarmupCollator`:
+   another block stating x's hidden fact, the answer swapped for a random span half the time).
+   REALM's reader is pre-trained BERT, which already reads; ours has had a minute of RetroMAE.
    Neither warm-up sees the held-out blocks.
 2. Training examples: `make_query` (salient-span masking) over the retrieval blocks. The collate
    embeds each batch's queries with the live query tower and searches the CURRENT index (slot 0 =
@@ -62,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import csv
+import dataclasses
 import io
 import json
 import logging
@@ -419,21 +421,98 @@ def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_
 # ----------------------------------------------------------------------------------------------
 # reader warm-up (realm.reader_warmup_steps)
 # ----------------------------------------------------------------------------------------------
-class ReaderWarmupCollator:
-    """rows -> one REALM query per row with its OWN block as the only document: `x_*` (B, Lx) and
-    `z_*` (B, 1, Lz). The own block holds x unmasked, so the task is to find x's context in z and
-    copy the hidden span: reading, the skill REALM's BERT reader starts with and a small encoder
-    pre-trained for minutes on one CPU lacks (bench/realm_toy.py: without it the retriever only
-    learns noise)."""
+class SalientSpanIndex:
+    """Which blocks hold which salient span (as token ids), from one pass over the corpus: finds, for
+    a masked query, the blocks that state its answer about the same thing (`answer_docs`).
 
-    def __init__(self, blocks, p: RealmParams, special: SpecialTokens):
+    Memory is one entry per (block, distinct salient span), the cost of one `eligible_rows` pass;
+    a lookup intersects short posting lists, never scans the corpus."""
+
+    def __init__(self, blocks, tagger: str = "auto"):
+        cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text") if c in blocks.column_names]
+        self.spans_of: dict[int, set[tuple[int, ...]]] = {}
+        self.rows_of: dict[tuple[int, ...], set[int]] = {}
+        for r, row in _iter_block_rows(blocks, cols):
+            ids = [int(t) for t in row["input_ids"]]
+            self.spans_of[r] = {tuple(ids[s:e]) for s, e in salient_token_spans(row, tagger) if e > s}
+            for sp in self.spans_of[r]:
+                self.rows_of.setdefault(sp, set()).add(r)
+        self.by_len: dict[int, list[tuple[int, ...]]] = {}  # token length -> distinct spans, in a fixed order
+        for sp in sorted(self.rows_of):
+            self.by_len.setdefault(len(sp), []).append(sp)
+
+    def answer_docs(self, q: RealmQuery) -> set[int]:
+        """Blocks other than x's own in which the masked answer is a salient span AND that name one
+        of the salient spans x shows unmasked: a statement of the hidden fact about x's subject
+        (distant supervision by span match, as DPR's "answer in passage" positives)."""
+        answer = masked_answer(q)
+        context = [sp for sp in self.spans_of.get(q.source_row, ()) if sp != answer and _contains(q.input_ids, sp)]
+        about = set().union(*(self.rows_of.get(sp, set()) for sp in context)) if context else set()
+        return (self.rows_of.get(answer, set()) & about) - {q.source_row}
+
+
+class ReaderWarmupCollator:
+    """rows -> one REALM query per row with one document: `x_*` (B, Lx) and `z_*` (B, 1, Lz).
+
+    `own_block`: z is x's own block, which holds x unmasked, so the task is to find x's context in z
+    and copy the hidden span. `answer_block`: z is another block that states the hidden fact
+    (`SalientSpanIndex.answer_docs`, drawn among `doc_rows`), in other words and order, so the
+    reader must match x's subject and relation, not its surface; x's own block when there is none.
+    With probability `reader_warmup_swap_answer` the answer is then swapped for a random salient span
+    (`swap_answer`), so that reading z is the only way to predict it.
+    Reading is the skill REALM's BERT reader starts with and a small encoder pre-trained for minutes
+    on one CPU lacks (bench/realm_toy.py: without it the retriever only learns noise)."""
+
+    def __init__(self, blocks, p: RealmParams, special: SpecialTokens, spans: SalientSpanIndex | None = None,
+                 doc_rows: set[int] | None = None):
         self.blocks, self.lookup, self.p, self.special = blocks, blocks.select_columns(["input_ids"]), p, special
+        self.spans, self.doc_rows = spans, doc_rows
+
+    def document(self, q: RealmQuery, rng: np.random.Generator) -> int:
+        answer_block = self.spans is not None and self.p.reader_warmup_doc == "answer_block"
+        docs = self.spans.answer_docs(q) if answer_block else set()
+        docs = sorted(docs if self.doc_rows is None else docs & self.doc_rows)
+        return int(docs[rng.integers(len(docs))]) if docs else q.source_row
+
+    def swap_answer(self, q: RealmQuery, z: list[int], rng: np.random.Generator) -> tuple[RealmQuery, list[int]]:
+        """Replace the hidden answer, in x's labels and everywhere in z, by another salient span of the
+        corpus with as many tokens. The new fact is in no training block, so the only way to predict
+        it is to read z: memorising the ~200 training blocks (what a reader does otherwise, reading
+        nothing on blocks it has not seen) stops paying."""
+        answer = masked_answer(q)
+        pool = [sp for sp in (self.spans.by_len.get(len(answer)) or []) if sp != answer] if self.spans is not None else []
+        if not pool:
+            return q, z
+        new = pool[rng.integers(len(pool))]
+        labels = list(q.labels)
+        for pos, t in zip(q.masked_positions, new):
+            labels[pos] = t
+        n, out, i = len(answer), [], 0
+        while i < len(z):
+            if tuple(z[i:i + n]) == answer:
+                out.extend(new)
+                i += n
+            else:
+                out.append(z[i])
+                i += 1
+        return dataclasses.replace(q, labels=labels), out
+
+    def examples(self, rows: list[int], rng: np.random.Generator) -> list[tuple[RealmQuery, list[int]]]:
+        """(query, document tokens) per row that yields a query."""
+        out = []
+        for r in rows:
+            q = make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r))
+            if q is None:
+                continue
+            z = [int(t) for t in self.lookup[self.document(q, rng)]["input_ids"]]
+            out.append(self.swap_answer(q, z, rng) if rng.random() < self.p.reader_warmup_swap_answer else (q, z))
+        return out
 
     def __call__(self, rows: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         rng = np.random.default_rng(generator.initial_seed() if generator is not None else 0)
-        queries = [q for r in rows if (q := make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r)))]
-        own = np.asarray([[NULL_ROW, q.source_row] for q in queries], dtype=np.int64).reshape(len(queries), 2)
-        batch = collate(queries, own, self.lookup, self.p, self.special)
+        examples = self.examples(rows, rng)
+        slots = np.asarray([[NULL_ROW, i] for i in range(len(examples))], dtype=np.int64).reshape(len(examples), 2)
+        batch = collate([q for q, _ in examples], slots, [z for _, z in examples], self.p, self.special)
         return {**{k: batch[k] for k in ("x_input_ids", "x_attention_mask", "x_labels")},
                 "z_input_ids": batch["z_input_ids"][:, 1:], "z_attention_mask": batch["z_attention_mask"][:, 1:]}  # drop the null slot
 
@@ -459,10 +538,13 @@ class ReaderWarmupModel(nn.Module):
 
 def reader_warmup(reader: KnowledgeAugmentedEncoder, blocks, rows: list[int], params: Params, special: SpecialTokens,
                   out_dir: Path, run=None) -> dict:
-    """Train `reader` in place for `realm.reader_warmup_steps` steps on its own-block task (resumable,
-    own checkpoints). The retriever is untouched. `rows` must leave out the held-out blocks."""
+    """Train `reader` in place for `realm.reader_warmup_steps` steps on the `realm.reader_warmup_doc`
+    task (resumable, own checkpoints). The retriever is untouched. `rows` must leave out the held-out
+    blocks; they are also the only documents the `answer_block` task reads."""
     p = params.realm
-    return run_warmup(ReaderWarmupModel(reader), rows, ReaderWarmupCollator(blocks, p, special), params, out_dir, run,
+    spans = SalientSpanIndex(blocks, p.span_tagger) if p.reader_warmup_doc == "answer_block" or p.reader_warmup_swap_answer else None
+    collator = ReaderWarmupCollator(blocks, p, special, spans, set(rows))
+    return run_warmup(ReaderWarmupModel(reader), rows, collator, params, out_dir, run,
                       name="reader_warmup", steps=p.reader_warmup_steps, lr=p.reader_warmup_lr,
                       batch_size=p.reader_warmup_batch_size, report=("loss", "reader_acc"))
 
