@@ -183,7 +183,7 @@ def test_reader_warmup_answer_block_reads_another_statement_of_the_fact(world):
         other += bool(docs)
     assert other > 0  # not only the fallback
     b = col(rows[:4], generator=torch.Generator().manual_seed(3))  # the batch carries the same documents
-    for i, (q, z) in enumerate(col.examples(rows[:4], np.random.default_rng(torch.Generator().manual_seed(3).initial_seed()))):
+    for i, (q, z) in enumerate(col.examples(rows[:4], np.random.default_rng(3))):  # (__call__ seeds with the generator's seed)
         assert _z_tokens(b, i) == z[: p.block_len - 2]
 
 
@@ -206,6 +206,17 @@ def test_reader_warmup_swap_replaces_the_answer_in_labels_and_document(world):
         for i in range(len(z)):
             hit = next((s for s in starts if s <= i < s + len(answer)), None)
             assert z2[i] == (new[i - hit] if hit is not None else z[i])
+
+    # through the batch, with the swap always on: x's label is written in z where the own block had another span
+    swapping = stage.ReaderWarmupCollator(blocks, p.model_copy(update={"reader_warmup_swap_answer": 1.0}), sp, col.spans, set(rows))
+    b = swapping(rows, generator=torch.Generator().manual_seed(5))
+    for i, r in enumerate(rows):
+        y = b["x_labels"][i]
+        hidden = tuple(y[y != stage.IGNORE_INDEX].tolist())
+        z, orig = _z_tokens(b, i), list(blocks[r]["input_ids"])[: p.block_len - 2]
+        n = len(hidden)
+        assert hidden and len(z) == len(orig)
+        assert any(tuple(z[s:s + n]) == hidden and tuple(orig[s:s + n]) != hidden for s in range(len(z) - n + 1))
 
 
 def test_probe_retrieval_recall_and_rank():
