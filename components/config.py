@@ -231,6 +231,8 @@ class RealmParams(_Section):
     reader_warmup_batch_size: int = Field(32, ge=1)
     heldout_queries: int = Field(64, ge=0, description="blocks kept out of training (at most 1/4 of the eligible): "
                                  "held-out masked-token accuracy and recall probes")
+    heldout_draws: int = Field(8, ge=1, description="masks drawn per held-out block; each distinct masked span "
+                               "is one held-out query (more queries, less noise in the held-out curves)")
     # lr 3e-5 (the paper's): at 1e-4 and 3e-4 the held-out recall rose for ~20 steps, then the updates of the ~70% of
     # queries whose answer no document states (noise for the retriever) undid it (docs/results.md)
     train: TrainParams = TrainParams(batch_size=8, lr=3e-5, max_steps=200, checkpoint_every=20)

@@ -219,6 +219,23 @@ def test_reader_warmup_swap_replaces_the_answer_in_labels_and_document(world):
         assert any(tuple(z[s:s + n]) == hidden and tuple(orig[s:s + n]) != hidden for s in range(len(z) - n + 1))
 
 
+def test_fixed_queries_draws_give_one_query_per_distinct_span(world):
+    blocks, sp = _world_blocks(world)
+    p = tiny_params().realm
+    rows = stage.eligible_rows(blocks, p, sp.mask, 0)[:30]
+    one = stage.fixed_queries(blocks, rows, p, sp, 1)
+    many = stage.fixed_queries(blocks, rows, p, sp, 1, draws=8)
+    assert [q.source_row for q in one] == rows and len(many) > len(one)
+    keys = [(q.source_row, stage.masked_answer(q)) for q in many]
+    assert len(set(keys)) == len(keys)  # no span twice
+    for r in rows:  # at most `draws` per block, and only spans the block has
+        mine = [a for row, a in keys if row == r]
+        ids = list(blocks[r]["input_ids"])
+        assert 1 <= len(mine) <= 8
+        assert all(a in {tuple(ids[s:e]) for s, e in stage.salient_token_spans(blocks[r], p.span_tagger)} for a in mine)
+    assert stage.fixed_queries(blocks, rows, p, sp, 1, draws=8) == many  # fixed for a seed
+
+
 def test_probe_retrieval_recall_and_rank():
     emb = np.eye(4, dtype=np.float32)
     index = BlockIndex.build(emb, ["b0", "b1", "b2", "b3"], "flat")

@@ -34,8 +34,8 @@ One run, in order (Guu et al. 2020, sec. 3.4; ORQA, Lee et al. 2019, for ICT):
 Probe quality over time, with the snapshot's query tower against each new index (`run_probes`):
 * `recall_at_k` / `mean_rank` (MLflow `probe_*`): the dev questions (data/corpus/beir), doc level;
   without dev questions, the held-out set below.
-* `heldout_recall_at_k` / `heldout_mean_rank`: fixed masked queries of `realm.heldout_queries`
-  blocks that never give a training query; gold = the OTHER blocks that contain the masked answer
+* `heldout_recall_at_k` / `heldout_mean_rank`: fixed masked queries (one per distinct span among
+  `realm.heldout_draws` draws) of `realm.heldout_queries` blocks that never give a training query; gold = the OTHER blocks that contain the masked answer
   (what REALM's reader can use), the query's own block left out of the ranking as in training.
   Also the held-out masked-token accuracy at step 0 and at the end (`eval_mlm_acc*`).
 * `heldout_entity_recall_at_k` / `heldout_entity_mean_rank`: the same queries, gold = those blocks
@@ -139,14 +139,19 @@ def eligible_rows(blocks, p: RealmParams, mask_token_id: int, seed: int) -> list
     return [r for r, row in _iter_block_rows(blocks, cols) if make_query(row, p, rng, mask_token_id=mask_token_id, row=r)]
 
 
-def fixed_queries(blocks, rows: list[int], p: RealmParams, special: SpecialTokens, seed: int) -> list[RealmQuery]:
-    """One masked query per row, the same for a given seed (probes and held-out evaluation)."""
+def fixed_queries(blocks, rows: list[int], p: RealmParams, special: SpecialTokens, seed: int,
+                  draws: int = 1) -> list[RealmQuery]:
+    """Masked queries per row, the same for a given seed (probes and held-out evaluation): `draws`
+    masks drawn per row, of which the distinct answers are kept (one query per span)."""
     rng = np.random.default_rng(seed)
     out = []
     for r in rows:
-        q = make_query(blocks[int(r)], p, rng, mask_token_id=special.mask, row=int(r))
-        if q is not None:
-            out.append(q)
+        seen: set[tuple[int, ...]] = set()
+        for _ in range(draws):
+            q = make_query(blocks[int(r)], p, rng, mask_token_id=special.mask, row=int(r))
+            if q is not None and masked_answer(q) not in seen:
+                seen.add(masked_answer(q))
+                out.append(q)
     return out
 
 
@@ -941,7 +946,7 @@ def train_realm(
     if len(train_rows) < p.train.batch_size:
         raise ValueError(f"only {len(train_rows)} blocks have a salient span to mask, "
                          f"fewer than realm.train.batch_size={p.train.batch_size}")
-    held_queries = fixed_queries(blocks, held, p, special, seed + 1)
+    held_queries = fixed_queries(blocks, held, p, special, seed + 1, draws=p.heldout_draws)
     stale_rows = rng.choice(train_rows, size=min(p.staleness_probes, len(train_rows)), replace=False).tolist()
     stale_x = collate_queries(fixed_queries(blocks, stale_rows, p, special, seed + 2), p, special)
     held_probes = held_entity = None
