@@ -35,8 +35,9 @@ Probe quality over time, with the snapshot's query tower against each new index 
 * `recall_at_k` / `mean_rank` (MLflow `probe_*`): the dev questions (data/corpus/beir), doc level;
   without dev questions, the held-out set below.
 * `heldout_recall_at_k` / `heldout_mean_rank`: fixed masked queries (one per distinct span among
-  `realm.heldout_draws` draws) of `realm.heldout_queries` blocks that never give a training query; gold = the OTHER blocks that contain the masked answer
-  (what REALM's reader can use), the query's own block left out of the ranking as in training.
+  `realm.heldout_draws` draws) of `realm.heldout_queries` blocks that never give a training query;
+  gold = the OTHER blocks that contain the masked answer (what REALM's reader can use), the
+  query's own block left out of the ranking as in training.
   Also the held-out masked-token accuracy at step 0 and at the end (`eval_mlm_acc*`).
 * `heldout_entity_recall_at_k` / `heldout_entity_mean_rank`: the same queries, gold = those blocks
   that also name one of x's other salient spans (the gold *document*: about what x is about, and
