@@ -150,8 +150,8 @@ def fixed_queries(blocks, rows: list[int], p: RealmParams, special: SpecialToken
         seen: set[tuple[int, ...]] = set()
         for _ in range(draws):
             q = make_query(blocks[int(r)], p, rng, mask_token_id=special.mask, row=int(r))
-            if q is not None and masked_answer(q) not in seen:
-                seen.add(masked_answer(q))
+            if q is not None and (answer := masked_answer(q)) not in seen:
+                seen.add(answer)
                 out.append(q)
     return out
 
@@ -228,13 +228,22 @@ def answer_blocks(queries: list[RealmQuery], block_tokens) -> list[set[int]]:  #
             for q, n in zip(queries, needles)]
 
 
-def context_spans(q: RealmQuery, block_row: dict, tagger: str = "auto") -> list[tuple[int, ...]]:
-    """The token sequences of the salient spans that x shows unmasked (its entities / dates other than
-    the answer): what x is about."""
+def block_spans(block_row: dict, tagger: str = "auto") -> set[tuple[int, ...]]:
+    """The token sequences of a block's salient spans."""
     ids = [int(t) for t in block_row["input_ids"]]
+    return {tuple(ids[s:e]) for s, e in salient_token_spans(block_row, tagger) if e > s}
+
+
+def unmasked_spans(q: RealmQuery, spans: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Of x's source-block `spans`, those x shows unmasked (its entities / dates other than the
+    answer): what x is about."""
     answer = masked_answer(q)
-    spans = {tuple(ids[s:e]) for s, e in salient_token_spans(block_row, tagger)}
-    return sorted(sp for sp in spans if sp and sp != answer and _contains(q.input_ids, sp))
+    return sorted(sp for sp in spans if sp != answer and _contains(q.input_ids, sp))
+
+
+def context_spans(q: RealmQuery, block_row: dict, tagger: str = "auto") -> list[tuple[int, ...]]:
+    """`unmasked_spans` of x's source block `block_row`."""
+    return unmasked_spans(q, block_spans(block_row, tagger))
 
 
 def same_entity_gold(queries: list[RealmQuery], gold_rows: list[set[int]], blocks, tagger: str = "auto") -> list[set[int]]:
@@ -439,8 +448,7 @@ class SalientSpanIndex:
         self.spans_of: dict[int, set[tuple[int, ...]]] = {}
         self.rows_of: dict[tuple[int, ...], set[int]] = {}
         for r, row in _iter_block_rows(blocks, cols):
-            ids = [int(t) for t in row["input_ids"]]
-            self.spans_of[r] = {tuple(ids[s:e]) for s, e in salient_token_spans(row, tagger) if e > s}
+            self.spans_of[r] = block_spans(row, tagger)
             for sp in self.spans_of[r]:
                 self.rows_of.setdefault(sp, set()).add(r)
         self.by_len: dict[int, list[tuple[int, ...]]] = {}  # token length -> distinct spans, in a fixed order
@@ -451,10 +459,9 @@ class SalientSpanIndex:
         """Blocks other than x's own in which the masked answer is a salient span AND that name one
         of the salient spans x shows unmasked: a statement of the hidden fact about x's subject
         (distant supervision by span match, as DPR's "answer in passage" positives)."""
-        answer = masked_answer(q)
-        context = [sp for sp in self.spans_of.get(q.source_row, ()) if sp != answer and _contains(q.input_ids, sp)]
+        context = unmasked_spans(q, self.spans_of.get(q.source_row, set()))
         about = set().union(*(self.rows_of.get(sp, set()) for sp in context)) if context else set()
-        return (self.rows_of.get(answer, set()) & about) - {q.source_row}
+        return (self.rows_of.get(masked_answer(q), set()) & about) - {q.source_row}
 
 
 class ReaderWarmupCollator:
