@@ -61,6 +61,7 @@ deterministic.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import csv
@@ -493,10 +494,14 @@ class ReaderWarmupCollator:
         it is to read z: memorising the ~200 training blocks (what a reader does otherwise, reading
         nothing on blocks it has not seen) stops paying."""
         answer = masked_answer(q)
-        pool = [sp for sp in (self.spans.by_len.get(len(answer)) or []) if sp != answer] if self.spans is not None else []
-        if not pool:
+        pool = self.spans.by_len.get(len(answer), []) if self.spans is not None else []  # sorted
+        # uniform over the pool without the answer, by index: no per-example copy of a corpus-sized list
+        at = bisect.bisect_left(pool, answer)
+        skip = at < len(pool) and pool[at] == answer
+        if len(pool) - skip == 0:
             return q, z
-        new = pool[rng.integers(len(pool))]
+        i = int(rng.integers(len(pool) - skip))
+        new = pool[i + 1 if skip and i >= at else i]
         labels = list(q.labels)
         for pos, t in zip(q.masked_positions, new):
             labels[pos] = t
