@@ -103,9 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     cadence = load_params(args.params, overrides=base).realm.refresh_every
     if cadence == 0:
         sys.exit("realm.refresh_every is 0 in the params: nothing to compare against never refreshing")
-    arms = {f"refresh_every_{cadence}": base, "never_refresh": {**base, "realm.refresh_every": 0}}
-    if args.arm != "both":
-        arms = dict([list(arms.items())[args.arm == "never"]])
+    refreshed, never = (f"refresh_every_{cadence}", base), ("never_refresh", {**base, "realm.refresh_every": 0})
+    arms = dict({"both": [refreshed, never], "refreshed": [refreshed], "never": [never]}[args.arm])
     results = {}
     for name, ov in arms.items():
         params = load_params(args.params, overrides=ov)

@@ -80,14 +80,19 @@ def plot_rows() -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # unit pieces
 # ----------------------------------------------------------------------------------------------
-def test_ict_collator_removes_the_query_sentence_from_its_context(world):
+def _world_blocks(world):
+    """The module world's retrieval blocks and special-token ids."""
     import datasets
 
     from components.data.tokenize import load_tokenizer
 
-    p = tiny_params().realm
     blocks = datasets.load_from_disk(str(world / "data/tokens/blocks"))
-    sp = SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
+    return blocks, SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
+
+
+def test_ict_collator_removes_the_query_sentence_from_its_context(world):
+    p = tiny_params().realm
+    blocks, sp = _world_blocks(world)
     rows = stage.ict_eligible_rows(blocks)[:6]
     assert rows, "the synthetic world has multi-sentence blocks"
 
@@ -109,14 +114,10 @@ def test_ict_collator_removes_the_query_sentence_from_its_context(world):
 
 
 def test_reader_warmup_reads_the_own_block_and_its_loss_is_the_masked_lm_loss(world):
-    import datasets
-
-    from components.data.tokenize import load_tokenizer
     from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
 
     p = tiny_params().realm
-    blocks = datasets.load_from_disk(str(world / "data/tokens/blocks"))
-    sp = SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
+    blocks, sp = _world_blocks(world)
     rows = stage.eligible_rows(blocks, p, sp.mask, 0)[:5]
     b = stage.ReaderWarmupCollator(blocks, p, sp)(rows, generator=torch.Generator().manual_seed(1))
     assert b["z_input_ids"].shape[:2] == (len(rows), 1)
@@ -136,15 +137,6 @@ def test_reader_warmup_reads_the_own_block_and_its_loss_is_the_masked_lm_loss(wo
         logits = reader(ids[:, 0], mask[:, 0], types[:, 0])[:, : b["x_labels"].shape[1]]  # (B, Lx, V)
     want = torch.nn.functional.cross_entropy(logits.transpose(1, 2), b["x_labels"], ignore_index=stage.IGNORE_INDEX)
     torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-4, atol=1e-5)
-
-
-def _world_blocks(world):
-    import datasets
-
-    from components.data.tokenize import load_tokenizer
-
-    blocks = datasets.load_from_disk(str(world / "data/tokens/blocks"))
-    return blocks, SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
 
 
 def _z_tokens(b, i: int) -> list[int]:
@@ -271,13 +263,8 @@ def test_heldout_gold_is_the_other_blocks_holding_the_masked_answer():
 
 
 def test_same_entity_gold_keeps_the_answer_blocks_that_share_a_salient_span_with_x(world):
-    import datasets
-
-    from components.data.tokenize import load_tokenizer
-
     p = tiny_params().realm
-    blocks = datasets.load_from_disk(str(world / "data/tokens/blocks"))
-    sp = SpecialTokens.from_tokenizer(load_tokenizer(world / "data/tokens/tokenizer"))
+    blocks, sp = _world_blocks(world)
     ids = np.asarray(blocks["block_id"])
     queries = stage.fixed_queries(blocks, stage.eligible_rows(blocks, p, sp.mask, 0), p, sp, 1)
     loose = stage.heldout_probes(queries, blocks, ids, p, sp)
