@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.config import EncoderParams, RetroMAEParams  # noqa: E402
-from components.data.masking import RetroMAECollator, SpecialIds  # noqa: E402
+from components.data.masking import RetroMAECollator, SpecialTokens  # noqa: E402
 from components.models.mlm import MLMModel  # noqa: E402
 from components.models.retromae import RetroMAE, build_encoder  # noqa: E402
 
@@ -51,7 +51,7 @@ SHAPES = {
 GOAL = 1.10
 
 
-def make_batch(shape: dict, ids: SpecialIds, params: RetroMAEParams, seed: int) -> dict[str, torch.Tensor]:
+def make_batch(shape: dict, ids: SpecialTokens, params: RetroMAEParams, seed: int) -> dict[str, torch.Tensor]:
     """Full-length rows of random tokens, ~1.3 WordPiece pieces per word (English-like)."""
     rng = np.random.default_rng(seed)
     n = shape["max_len"] - 2
@@ -60,7 +60,7 @@ def make_batch(shape: dict, ids: SpecialIds, params: RetroMAEParams, seed: int) 
     return RetroMAECollator(ids, params, seed=seed)(rows)
 
 
-def make_arms(shape: dict, ids: SpecialIds, params: RetroMAEParams, device: torch.device) -> dict:
+def make_arms(shape: dict, ids: SpecialTokens, params: RetroMAEParams, device: torch.device) -> dict:
     torch.manual_seed(0)
     encoder = build_encoder(params.encoder, ids.vocab_size, ids.pad, cls_token_id=ids.cls, sep_token_id=ids.sep, mask_token_id=ids.mask)
     arms = {}
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else nullcontext
 
-    ids = SpecialIds(pad=0, cls=2, sep=3, mask=4, vocab_size=shape["vocab"], special=(0, 1, 2, 3, 4))
+    ids = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=shape["vocab"], special=(0, 1, 2, 3, 4))
     enc = EncoderParams(hidden_size=shape["hidden"], num_layers=shape["layers"], num_heads=shape["heads"],
                         intermediate_size=shape["inter"], max_position=max(512, shape["max_len"]))
     params = RetroMAEParams(encoder=enc, max_len=shape["max_len"])  # decoder ratio 0.5, pool 128, h1 raw

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.config import EncoderParams, RetroMAEParams  # noqa: E402
-from components.data.masking import RetroMAECollator, SpecialIds  # noqa: E402
+from components.data.masking import RetroMAECollator, SpecialTokens  # noqa: E402
 from components.models.retromae import RetroMAE, build_encoder  # noqa: E402
 
 SHAPES = {
@@ -55,7 +55,7 @@ def random_rows(n: int, length: int, vocab: int, rng: np.random.Generator) -> li
 
 
 def train_throughput(shape: dict, steps: int, device: torch.device, bf16: bool) -> dict:
-    ids = SpecialIds(pad=0, cls=2, sep=3, mask=4, vocab_size=shape["vocab"], special=(0, 1, 2, 3, 4))
+    ids = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=shape["vocab"], special=(0, 1, 2, 3, 4))
     enc = EncoderParams(hidden_size=shape["hidden"], num_layers=shape["layers"], num_heads=shape["heads"],
                         intermediate_size=shape["inter"], max_position=shape["max_len"], dropout=0.1)
     params = RetroMAEParams(encoder=enc, max_len=shape["max_len"])
@@ -99,7 +99,7 @@ def train_throughput(shape: dict, steps: int, device: torch.device, bf16: bool) 
 def refresh_throughput(shape: dict, n_embed: int, n_index: int, device: torch.device, bf16: bool) -> dict:
     from components.index.faiss_index import BlockIndex, gpu_count
 
-    ids = SpecialIds(pad=0, cls=2, sep=3, mask=4, vocab_size=shape["vocab"], special=(0, 1, 2, 3, 4))
+    ids = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=shape["vocab"], special=(0, 1, 2, 3, 4))
     enc = EncoderParams(hidden_size=shape["hidden"], num_layers=shape["layers"], num_heads=shape["heads"],
                         intermediate_size=shape["inter"], max_position=shape["max_len"], dropout=0.0)
     tower = build_encoder(enc, ids.vocab_size, ids.pad).base_model.to(device).eval()

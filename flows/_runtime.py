@@ -19,16 +19,8 @@ from typing import Iterator
 
 from components.config import Params, load_params
 
-# The DAG's folders. They are wiring owned by dvc.yaml (deps/outs), not knobs, so they live here.
-CORPUS = Path("data/corpus")
-TOKENS = Path("data/tokens")
-RETROMAE_OUT = Path("models/retromae")
-MLM_OUT = Path("models/mlm")
-REALM_OUT = Path("models/realm")
-FINETUNE_OUT = Path("models/finetune")
-METRICS = Path("metrics")
-PLOTS = Path("plots")
-CHECKPOINTS = Path("checkpoints")  # outside DVC outs: survives a crash and a `dvc repro` reset
+from components.paths import (CHECKPOINTS, CORPUS, FINETUNE_OUT, METRICS, MLM_OUT, PLOTS,  # noqa: F401  the flows' folders
+                              REALM_OUT, RETROMAE_OUT, TOKENS)
 
 STAGES = ["prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune", "evaluate"]
 

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from components.eval.bm25 import BM25Retriever
+from components.retrieval.bm25 import BM25Retriever
 from components.eval.metrics import retrieval_metrics
 
 DOCS = {

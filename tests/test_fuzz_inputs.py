@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from components.config import Params, ParamsError, load_params
 from components.data.corpus import read_jsonl, read_txt
 from components.data.errors import DataError
-from components.eval import beir
+from components.data import beir
 from tests.conftest import ROOT
 
 _N = int(os.environ.get("RR_FUZZ_EXAMPLES", "120"))

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from components.config import EncoderParams, RetroMAEParams
 from components.data.masking import (
-    IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialIds, counter_hash, mask_budget,
+    IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialTokens, counter_hash, mask_budget,
     whole_word_mask,
 )
 
-IDS = SpecialIds(pad=0, cls=2, sep=3, mask=4, vocab_size=120, special=(0, 1, 2, 3, 4))
+IDS = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=120, special=(0, 1, 2, 3, 4))
 HYP = settings(max_examples=40, deadline=None)
 
 
@@ -247,9 +247,9 @@ def test_collators_use_the_trainers_step_generator():
     import torch
 
     from components.config import RetroMAEParams
-    from components.data.masking import MLMCollator, RetroMAECollator, SpecialIds
+    from components.data.masking import MLMCollator, RetroMAECollator, SpecialTokens
 
-    ids = SpecialIds(pad=0, cls=2, sep=3, mask=4, vocab_size=100, special=(0, 1, 2, 3, 4))
+    ids = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=100, special=(0, 1, 2, 3, 4))
     rows = [{"input_ids": list(range(10, 40)), "word_ids": list(range(30))} for _ in range(3)]
     for collate in (MLMCollator(ids, 0.3, 64, seed=1), RetroMAECollator(ids, RetroMAEParams(), seed=1)):
         a = collate(rows, generator=torch.Generator().manual_seed(7))

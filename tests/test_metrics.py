@@ -12,7 +12,7 @@ import pytest
 from ir_measures import RR, nDCG
 
 from components.data.errors import DataError
-from components.eval.beir import load_beir, read_qa, read_qrels, read_queries, write_beir, write_qa
+from components.data.beir import load_beir, read_qa, read_qrels, read_queries, write_beir, write_qa
 from components.eval.metrics import (canonical_run, exact_match, f1, normalize_answer, qa_metrics,
                                      retrieval_metrics)
 

@@ -13,7 +13,7 @@ import torch
 from transformers import BertConfig, PreTrainedTokenizerFast
 
 from components.data.tokenize import train_wordpiece
-from components.eval.metrics import normalize_answer
+from components.data.text import normalize_answer
 from components.models.biencoder import BiEncoder
 from components.models.reader import (
     MISSING_ROW, NULL_ROW, OpenQA, QACollator, SpanReader, find_answer_spans, word_boundaries,

@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 from transformers import AutoModel, AutoModelForMaskedLM, BertConfig, BertForMaskedLM, BertModel
 
 from components.config import EncoderParams, RetroMAEParams
-from components.data.masking import IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialIds
+from components.data.masking import IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialTokens
 from components.models.mlm import MLMModel
 from components.models.retromae import (
     RetroMAE, _last_layer_slots, _LinearCrossEntropy, build_encoder, decoder_mask_pool, decoder_row_choice,
     position_specific_mask, save_pretrained_encoder, token_losses,
 )
 
-IDS = SpecialIds(pad=0, cls=2, sep=3, mask=4, vocab_size=120, special=(0, 1, 2, 3, 4))
+IDS = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=120, special=(0, 1, 2, 3, 4))
 
 
 def params(dropout: float = 0.0, **kw) -> RetroMAEParams:

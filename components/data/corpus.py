@@ -306,7 +306,7 @@ def _read_s3_files(p: DataParams, files: list[Path]) -> SourceData:
 
 def read_beir_source(root: Path, on_error: str = "raise") -> SourceData:
     """A BEIR folder: corpus.jsonl (+ queries.jsonl, qrels/*.tsv, and an optional qa.jsonl)."""
-    from components.eval import beir
+    from components.data import beir
 
     if not root.is_dir():
         raise DataError(root, "BEIR folder not found", fix="set data.path to a folder holding corpus.jsonl")

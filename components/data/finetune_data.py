@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from components.eval import beir
+from components.data import beir
 
 SIDE_QUERY, SIDE_PASSAGE = "query", "passage"
 EncodeFn = Callable[[Sequence[str], str], np.ndarray]  # (texts, "query"|"passage") -> (N, D) float32
@@ -106,7 +106,7 @@ def mine_bm25_negatives(pairs: Sequence[dict], corpus: Mapping[str, str], depth:
     (fitted on `corpus` here when None). BM25 may return fewer (docs sharing no term are no hard
     negatives); the collator tops short pools up with random passages."""
     if retriever is None:
-        from components.eval.bm25 import BM25Retriever
+        from components.retrieval.bm25 import BM25Retriever
 
         retriever = BM25Retriever().fit(list(corpus), list(corpus.values()))
     qids, first = _unique_queries(pairs)
@@ -140,7 +140,7 @@ def mine_dense_negatives(
     `encode_fn(texts, "query"|"passage") -> (N, D)` float32 (see `biencoder.make_encode_fn`);
     `passage_vecs` (len(corpus), D) in corpus order skips re-encoding the corpus.
     """
-    from components.eval.metrics import normalize_answer
+    from components.data.text import normalize_answer
 
     doc_ids = list(corpus)
     qids, first = _unique_queries(pairs)

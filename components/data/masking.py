@@ -1,7 +1,7 @@
 """Masking for retrieval-oriented pre-training: whole-word MLM masks and the batch collators.
 
-    from components.data.masking import SpecialIds, RetroMAECollator, MLMCollator
-    ids = SpecialIds.from_tokenizer(tokenizer)
+    from components.data.masking import SpecialTokens, RetroMAECollator, MLMCollator
+    ids = SpecialTokens.from_tokenizer(tokenizer)
     collate = RetroMAECollator(ids, params.retromae, seed=params.compute.seed)
     batch = collate(rows)            # rows: [{"input_ids": [...], "word_ids": [...]}, ...] (no specials)
     out = model(batch)               # components.models.retromae.RetroMAE
@@ -31,36 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100  # label of positions that carry no loss (torch cross_entropy's default)
-
-# ----------------------------------------------------------------------------------------------
-# special ids
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SpecialIds:
-    """The token ids a collator needs; `special` are never masked nor used as random replacements."""
-
-    pad: int
-    cls: int
-    sep: int
-    mask: int
-    vocab_size: int
-    special: tuple[int, ...] = field(default=())
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "SpecialIds":
-        return cls(
-            pad=tokenizer.pad_token_id, cls=tokenizer.cls_token_id, sep=tokenizer.sep_token_id,
-            mask=tokenizer.mask_token_id, vocab_size=len(tokenizer),
-            special=tuple(sorted(set(tokenizer.all_special_ids))),
-        )
-
-    def replacement_ids(self) -> torch.Tensor:
-        """Ids the 10% 'random token' corruption may draw from: the vocabulary minus specials."""
-        banned = set(self.special) | {self.pad, self.cls, self.sep, self.mask}
-        keep = torch.ones(self.vocab_size, dtype=torch.bool)
-        keep[[i for i in banned if 0 <= i < self.vocab_size]] = False
-        return keep.nonzero().squeeze(1)
+from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +107,7 @@ def counter_hash(seed: torch.Tensor, *counters: torch.Tensor) -> torch.Tensor:
 
 
 def mlm_corrupt(
-    input_ids: torch.Tensor, mask: torch.Tensor, ids: SpecialIds, generator: torch.Generator,
+    input_ids: torch.Tensor, mask: torch.Tensor, ids: SpecialTokens, generator: torch.Generator,
     replacement_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT's 80/10/10: masked positions become [MASK] (80%), a random non-special token (10%),
@@ -175,7 +146,7 @@ class MLMCollator:
     """
 
     def __init__(
-        self, ids: SpecialIds, mask_ratio: float, max_len: int, *, seed: int = 0,
+        self, ids: SpecialTokens, mask_ratio: float, max_len: int, *, seed: int = 0,
         pad_to_max_len: bool = False, passes: int = 4,
     ):
         if max_len < 3:
@@ -255,7 +226,7 @@ class RetroMAECollator(MLMCollator):
       decoder_seed      (B,)   long  per-row seed of the decoder's mask pool (drawn on device)
     """
 
-    def __init__(self, ids: SpecialIds, params: Any, *, seed: int = 0, pad_to_max_len: bool = False, passes: int = 4):
+    def __init__(self, ids: SpecialTokens, params: Any, *, seed: int = 0, pad_to_max_len: bool = False, passes: int = 4):
         # params: a RetroMAEParams (duck-typed: max_len, encoder_mask_ratio).
         super().__init__(ids, params.encoder_mask_ratio, params.max_len, seed=seed, pad_to_max_len=pad_to_max_len, passes=passes)
 

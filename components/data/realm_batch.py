@@ -38,24 +38,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans
 
-IGNORE_INDEX = -100
 NULL_ROW = -1  # the null document: empty z, `[CLS] x [SEP] [SEP]`
 MISSING_ROW = -2  # no document in this slot (index had fewer than K)
 _FALLBACK_SPAN_LENS = (1, 2, 3, 4)  # random_span length when the block has no salient span
-
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    cls: int
-    sep: int
-    pad: int
-    mask: int
-
-    @classmethod
-    def from_tokenizer(cls, tok) -> "SpecialTokens":
-        return cls(cls=tok.cls_token_id, sep=tok.sep_token_id, pad=tok.pad_token_id, mask=tok.mask_token_id)
 
 
 @dataclass

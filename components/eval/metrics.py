@@ -27,19 +27,19 @@ provider (used for RR@10, which pytrec_eval has no cutoff for) by doc id *ascend
 same run could get an MRR and an nDCG computed on two different rankings. `canonical_run`
 therefore fixes the order itself, (score descending, doc id ascending), and replaces each score
 by a rank-derived one (n - rank): tie-free, exactly representable, so every provider sees one
-ranking. `components.eval.bm25` breaks its ties the same way.
+ranking. `components.retrieval.bm25` breaks its ties the same way.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import string
 from collections import Counter
 from typing import Iterable, Mapping, Sequence
 
 import ir_measures
 from ir_measures import R, RR, nDCG
+
+from components.data.text import normalize_answer
 
 NDCG_KEY, MRR_KEY = "ndcg_at_10", "mrr_at_10"
 
@@ -114,22 +114,6 @@ def retrieval_metrics(
 # ----------------------------------------------------------------------------------------------
 # open-domain QA: exact match and token F1, SQuAD v1.1 rules (as REALM/ORQA/DPR report EM)
 # ----------------------------------------------------------------------------------------------
-_PUNCT = set(string.punctuation)
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD v1.1: lowercase, drop punctuation, drop the articles a/an/the, collapse whitespace.
-
-    Same order as the official script (lower -> punctuation -> articles -> whitespace), so
-    "state-of-the-art" becomes "stateoftheart" (punctuation is deleted, not turned into space).
-    """
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in _PUNCT)
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
-
-
 def _golds(golds: str | Iterable[str]) -> list[str]:
     golds = [golds] if isinstance(golds, str) else list(golds)
     if not golds:

@@ -43,6 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from components.index.faiss_index import BlockIndex
+from components.models.encoder import unwrap
 
 BuildFn = Callable[[Any, int], "tuple[BlockIndex, dict]"]
 
@@ -156,22 +157,11 @@ def refresh_index(
 # ----------------------------------------------------------------------------------------------
 # snapshot + staleness
 # ----------------------------------------------------------------------------------------------
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The bare module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
-    while True:
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            module = module.module
-        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
-            module = module._orig_mod
-        else:
-            return module
-
-
 def snapshot_module(module: torch.nn.Module, device: str | torch.device | None = None) -> torch.nn.Module:
     """A frozen copy of `module` that training cannot change under the refresh: deep-copied, in
     eval mode (no dropout in the index), `requires_grad=False`, on `device` (None: same device;
     "cpu" frees accelerator memory at the cost of a slower embed). Call at a step boundary."""
-    snap = copy.deepcopy(_unwrap(module))
+    snap = copy.deepcopy(unwrap(module))
     if device is not None:
         snap = snap.to(device)
     snap.eval()

@@ -44,41 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from components.io import atomic_dir, write_json_atomic
+from components.models.encoder import cls_pool, load_encoder, unwrap  # noqa: F401  (load_encoder: re-exported)
 
 _NEG = -1e30  # a "minus infinity" that stays finite (no inf - inf = NaN in the softmax or its gradient)
-
-
-# ----------------------------------------------------------------------------------------------
-# encoder loading
-# ----------------------------------------------------------------------------------------------
-def load_encoder(path: str | os.PathLike, dropout: float | None = None) -> nn.Module:
-    """A bare BERT-like encoder (AutoModel, no pooler) from an HF folder: a RetroMAE/MLM output
-    (a *ForMaskedLM: its head is ignored), a sentence-transformers folder (e.g. MiniLM), ...
-
-    The pooler is dropped: [CLS] pooling reads the raw last-layer state, and an unused pooler would
-    give DDP parameters without gradients. Missing encoder weights (HF would random-init them
-    silently) are an error.
-    """
-    from transformers import AutoModel
-
-    overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-    try:
-        model, info = AutoModel.from_pretrained(str(path), add_pooling_layer=False, output_loading_info=True,
-                                                attn_implementation="sdpa", **overrides)
-    except TypeError:  # an architecture without the pooler switch
-        model, info = AutoModel.from_pretrained(str(path), output_loading_info=True, **overrides)
-        if getattr(model, "pooler", None) is not None:
-            model.pooler = None
-    missing = [k for k in info["missing_keys"] if "pooler" not in k]
-    if missing:
-        raise ValueError(f"{path}: encoder weights missing from the checkpoint (would be random): {sorted(missing)[:8]}")
-    return model
-
-
-def cls_pool(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last-layer [CLS] state (N, H). Token types are all 0 (single-segment inputs)."""
-    out = encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=torch.zeros_like(input_ids))
-    return out.last_hidden_state[:, 0]  # (N, H)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +203,7 @@ class BiEncoder(nn.Module):
         """Write an HF folder (safetensors; + tokenizer) loadable with `AutoModel.from_pretrained`,
         and with `SentenceTransformer(out_dir)` as [CLS] pooling + dot product (no Normalize
         module: the model was trained on raw inner products). Atomic (temp sibling + os.replace)."""
-        encoder = _unwrap(self).encoder
+        encoder = unwrap(self).encoder
         with atomic_dir(out_dir) as tmp:
             encoder.save_pretrained(tmp)
             if tokenizer is not None:
@@ -264,11 +232,6 @@ def write_sentence_transformers_config(folder: str | os.PathLike, hidden_size: i
     })
     write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
     write_json_atomic(folder / "config_sentence_transformers.json", {"similarity_fn_name": "dot", "prompts": {}, "default_prompt_name": None})
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    model = getattr(model, "module", model)  # DDP
-    return getattr(model, "_orig_mod", model)  # torch.compile
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Plain whole-word MLM on the same encoder: the baseline RetroMAE has to beat at equal compute.
 
-    from components.data.masking import SpecialIds, MLMCollator
-    ids = SpecialIds.from_tokenizer(tok)
+    from components.data.masking import SpecialTokens, MLMCollator
+    ids = SpecialTokens.from_tokenizer(tok)
     model = MLMModel.from_params(params.retromae.encoder, ids)
     out = model(MLMCollator(ids, params.mlm.mask_ratio, params.retromae.max_len)(rows))
     out["loss"].backward()
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from components.data.masking import SpecialIds
+from components.data.masking import SpecialTokens
 from components.models.retromae import (
     _predicted_positions, build_encoder, cls_embedding, encode_for_losses, head_token_losses, mlm_head, token_losses,
 )
@@ -36,7 +36,7 @@ class MLMModel(nn.Module):
         self.fast_path = True  # as RetroMAE.fast_path: False = the straightforward computation
 
     @classmethod
-    def from_params(cls, enc: Any, ids: SpecialIds) -> "MLMModel":
+    def from_params(cls, enc: Any, ids: SpecialTokens) -> "MLMModel":
         """enc: an EncoderParams (the MLM stage shares RetroMAE's encoder section)."""
         return cls(build_encoder(enc, ids.vocab_size, ids.pad, cls_token_id=ids.cls, sep_token_id=ids.sep, mask_token_id=ids.mask))
 

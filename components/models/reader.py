@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from components.eval.metrics import normalize_answer
+from components.data.text import normalize_answer
 from components.io import atomic_dir, write_json_atomic
 
 NULL_ROW = -1  # the null document (same convention as components/data/realm_batch.py)

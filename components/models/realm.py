@@ -47,9 +47,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, BertConfig, BertForMaskedLM, BertModel
 
+from components.data.special_tokens import IGNORE_INDEX
 from components.io import atomic_dir, write_json_atomic
 
-IGNORE_INDEX = -100  # label of every position that is not a masked token
 Marginalization = Literal["per_token", "per_sequence"]
 
 RETRIEVER_CONFIG = "retriever_config.json"

@@ -17,8 +17,8 @@ Two streams feed the decoder layer (paper, sec. 3.3):
     A_ij         = softmax(Q(H1) K(H2)^T / sqrt(d) + M_ij) V(H2), M from `position_specific_mask`
 
 Usage (the shared trainer calls `out = model(batch)` and back-props `out["loss"]`):
-    from components.data.masking import SpecialIds, RetroMAECollator
-    ids = SpecialIds.from_tokenizer(tok)
+    from components.data.masking import SpecialTokens, RetroMAECollator
+    ids = SpecialTokens.from_tokenizer(tok)
     model = RetroMAE.from_params(params.retromae, ids)
     out = model(RetroMAECollator(ids, params.retromae)(rows))
     save_pretrained_encoder(model, tok, "models/retromae/encoder")   # AutoModel-loadable
@@ -42,7 +42,7 @@ from transformers import AutoModelForMaskedLM, BertConfig, BertModel, PreTrained
 from transformers.activations import ACT2FN
 from transformers.masking_utils import create_bidirectional_mask
 
-from components.data.masking import IGNORE_INDEX, SpecialIds, counter_hash, whole_word_mask
+from components.data.masking import IGNORE_INDEX, SpecialTokens, counter_hash, whole_word_mask
 
 logger = logging.getLogger(__name__)
 
@@ -469,7 +469,7 @@ class RetroMAE(nn.Module):
         self.fast_path = True
 
     @classmethod
-    def from_params(cls, params: Any, ids: SpecialIds) -> "RetroMAE":
+    def from_params(cls, params: Any, ids: SpecialTokens) -> "RetroMAE":
         encoder = build_encoder(params.encoder, ids.vocab_size, ids.pad, cls_token_id=ids.cls,
                                 sep_token_id=ids.sep, mask_token_id=ids.mask)
         return cls(encoder, params)

@@ -12,18 +12,18 @@ from typing import Callable
 
 from components.config import Params, load_params
 from components.io import write_json_atomic
+from components.paths import CHECKPOINTS, CORPUS
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_ROOT = Path(os.environ.get("RR_CHECKPOINT_ROOT", "checkpoints"))
 
 
-def corpus_digest(corpus_dir: str | os.PathLike = "data/corpus") -> str:
+def corpus_digest(corpus_dir: str | os.PathLike = CORPUS) -> str:
     card = Path(corpus_dir) / "data_card.json"
     return json.loads(card.read_text())["digest"] if card.exists() else "none"
 
 
-def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: str | os.PathLike = "data/corpus") -> Path:
+def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: str | os.PathLike = CORPUS) -> Path:
     """`checkpoints/<stage>/<digest>`: a resume only ever continues a run with the same data and
     params (changing either starts a fresh folder instead of resuming a stale run). `compute.nproc`
     is left out on purpose: a run may resume on a different number of processes."""
@@ -31,7 +31,7 @@ def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: 
     compute.pop("nproc", None)
     blob = json.dumps({"params": params.section_digest(*sections, "data", "tokenize"), "compute": compute,
                        "corpus": corpus_digest(corpus_dir)}, sort_keys=True)
-    return CHECKPOINT_ROOT / stage / hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return CHECKPOINTS / stage / hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 class RankZeroLogger:

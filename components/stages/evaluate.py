@@ -30,8 +30,8 @@ import torch
 
 from components.config import Params
 from components.data.tokenize import load_tokenizer, split_retrieval_blocks, tokenize_passages
-from components.eval.beir import load_beir, read_qa
-from components.eval.bm25 import BM25Retriever
+from components.data.beir import load_beir, read_qa
+from components.retrieval.bm25 import BM25Retriever
 from components.eval.dense import HFEncoder, dense_run
 from components.eval.metrics import qa_metrics, retrieval_metrics
 from components.eval.report import results_table, write_report

@@ -19,7 +19,7 @@ import datasets
 import torch
 
 from components.config import Params
-from components.data.masking import MLMCollator, RetroMAECollator, SpecialIds
+from components.data.masking import MLMCollator, RetroMAECollator, SpecialTokens
 from components.data.tokenize import load_tokenizer
 from components.models.mlm import MLMModel
 from components.models.retromae import RetroMAE, save_pretrained_encoder
@@ -54,7 +54,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
     """RetroMAE (`pretrain_retromae`) or whole-word MLM with the same encoder and compute (`pretrain_mlm`)."""
     out = stage_out(stage)
     tokenizer = load_tokenizer(tokens_dir / "tokenizer")
-    ids = SpecialIds.from_tokenizer(tokenizer)
+    ids = SpecialTokens.from_tokenizer(tokenizer)
     data = datasets.load_from_disk(str(tokens_dir / "pretrain"))
     torch.manual_seed(params.compute.seed)  # the same init for RetroMAE and MLM: a fair comparison
     sec = params.retromae

@@ -12,7 +12,7 @@ the bad line is skipped and *counted*: its message is appended to the caller's `
 so nothing is ever dropped silently. Structural problems (missing file, wrong qrels header)
 always raise: there is no line to skip.
 
-    from components.eval.beir import load_beir
+    from components.data.beir import load_beir
     data = load_beir("data/corpus/beir", split="test")      # data.corpus, data.queries, data.qrels
 """
 

@@ -1,6 +1,6 @@
 """BM25 with `bm25s`: the sparse baseline row of the results table, and hard-negative mining.
 
-    from components.eval.bm25 import BM25Retriever
+    from components.retrieval.bm25 import BM25Retriever
     bm25 = BM25Retriever().fit(doc_ids, texts)
     ids, scores = bm25.retrieve(["who wrote hamlet"], k=10)      # ids: [[doc_id] * 10], scores: (1, 10)
     run = bm25.run({"q1": "who wrote hamlet"}, k=100)           # -> metrics.retrieval_metrics(qrels, run)
@@ -23,7 +23,7 @@ import bm25s
 import numpy as np
 from bm25s.tokenization import Tokenizer
 
-from components.eval.metrics import normalize_answer
+from components.data.text import normalize_answer
 
 
 class BM25Retriever:
