@@ -1,4 +1,4 @@
-"""Cost of REALM's `refresh_index` and how much of it the asynchronous refresh hides.
+"""Cost of REALM's index refresh and how much of it the asynchronous refresh hides.
 
     .venv/bin/python bench/bench_refresh.py                    # data/tokens if present, else a fresh tiny world
     .venv/bin/python bench/bench_refresh.py --reps 5 --steps 40 --refresh-every 10
@@ -7,7 +7,7 @@
 Three measurements, contenders interleaved round-robin (the order rotates every repetition, so
 drift and other load on the machine hit all alike), median + IQR over `--reps`:
 
-(a) embed: blocks/s of the stage's refresh body (`IndexRefresh.refresh_index`: HF dataset read,
+(a) embed: blocks/s of the stage's refresh body (`IndexRefresh.refresh`: HF dataset read,
     `passage_inputs` collation, `encode_passage`, index build, publish) vs a bare
     `retriever.encode_passage(**batch)` loop over the same blocks, pre-collated outside the clock.
     Reported: embed-only blocks/s (the refresh's own stats), end-to-end blocks/s, and their ratios
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -45,11 +45,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.config import load_params  # noqa: E402
-from components.data.realm_batch import SpecialTokens, passage_inputs  # noqa: E402
+from components.data.realm_batch import (  # noqa: E402
+    RealmCollator, SpecialTokens, collate_queries, eligible_rows, fixed_queries, passage_inputs,
+)
+from components.eval.realm_probes import heldout_probes, run_probes  # noqa: E402
 from components.index.faiss_index import IndexStore  # noqa: E402
+from components.index.realm_refresh import IndexRefresh, RefreshContext  # noqa: E402
 from components.index.refresh import snapshot_module  # noqa: E402
-from components.models.realm import REALM, KnowledgeAugmentedEncoder, Retriever  # noqa: E402
-from components.stages import pretrain_realm as stage  # noqa: E402
+from components.models.realm import REALM, KnowledgeAugmentedEncoder  # noqa: E402
+from components.models.retriever import Retriever  # noqa: E402
 from components.training.trainer import Trainer  # noqa: E402
 
 GOAL = 0.9
@@ -84,7 +88,7 @@ def load_blocks(tokens: Path, scale: int):
 
 
 def make_model(params, tokenizer, device) -> REALM:
-    from components.models.retromae import build_encoder
+    from components.models.encoder import build_encoder
 
     torch.manual_seed(0)
     enc = build_encoder(params.retromae.encoder, len(tokenizer), tokenizer.pad_token_id, cls_token_id=tokenizer.cls_token_id,
@@ -93,15 +97,16 @@ def make_model(params, tokenizer, device) -> REALM:
     return REALM(Retriever.from_config(enc.config, p.retriever_dim, p.share_towers), KnowledgeAugmentedEncoder(enc), p.marginalization).to(device)
 
 
-def refresh_context(blocks, params, special, seed: int = 0) -> stage.RefreshContext:
+def refresh_context(blocks, params, special, seed: int = 0) -> RefreshContext:
     p = params.realm
-    rows = stage.eligible_rows(blocks.select(range(min(len(blocks), 4000))), p, special.mask, seed)
-    qs = stage.fixed_queries(blocks, rows[: p.staleness_probes], p, special, seed)
-    x = stage.collate_queries(qs, p, special)
+    rows = eligible_rows(blocks.select(range(min(len(blocks), 4000))), p, special.mask, seed)
+    qs = fixed_queries(blocks, rows[: p.staleness_probes], p, special, seed)
+    x = collate_queries(qs, p, special)
     block_ids = np.asarray(blocks["block_id"])
-    probes = {"heldout_": stage.heldout_probes(qs, blocks, block_ids, p, special)}
-    return stage.RefreshContext(blocks.select_columns(["input_ids"]), block_ids, np.asarray(blocks["doc_id"]),
-                                p, special, probes, {k: x[k] for k in ("x_input_ids", "x_attention_mask")})
+    probes = {"heldout_": heldout_probes(qs, blocks, block_ids, p, special)}
+    probe = functools.partial(run_probes, probes=probes, block_ids=block_ids, block_doc=np.asarray(blocks["doc_id"]), k=p.staleness_k)
+    return RefreshContext(blocks.select_columns(["input_ids"]), block_ids, p, special,
+                          {k: x[k] for k in ("x_input_ids", "x_attention_mask")}, probe)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,8 +138,8 @@ def bench_embed(model: REALM, blocks, params, special, reps: int, tmp: Path) -> 
             if arm == "bare":
                 runs["bare"].append(bare())
             else:
-                r = stage.IndexRefresh(ctx, IndexStore(tmp / f"embed-{rep}"))
-                _, st = r.refresh_index(snap, 0, "bench")
+                r = IndexRefresh(ctx, IndexStore(tmp / f"embed-{rep}"))
+                _, st = r.refresh(snap, 0, "bench")
                 runs["refresh_embed"].append(st["blocks_per_s"])
                 runs["refresh_total"].append(len(ids) / st["refresh_seconds"])
     out = {k: stats(v) for k, v in runs.items()}
@@ -152,7 +157,7 @@ def bench_embed(model: REALM, blocks, params, special, reps: int, tmp: Path) -> 
 class Clock:
     """Hooks that time the training loop from the end of the initial build to the last step."""
 
-    def __init__(self, refresh: stage.IndexRefresh):
+    def __init__(self, refresh: IndexRefresh):
         self.refresh, self.t0, self.t1 = refresh, None, None
 
     def on_train_start(self, step, trainer):
@@ -164,7 +169,7 @@ class Clock:
         self.t1 = time.perf_counter()
 
 
-class ShadowRefresh(stage.IndexRefresh):
+class ShadowRefresh(IndexRefresh):
     """Builds every refresh like the real one but never swaps it in: training keeps retrieving from
     the initial index, so its batches are exactly those of the no-refresh arm. The difference in
     step rate is then the refresh's overhead alone (a swapped-in index changes which blocks are
@@ -174,7 +179,7 @@ class ShadowRefresh(stage.IndexRefresh):
         self._record({"step": res.step, "ok": True, "reason": "cadence", "version": res.stats.get("version")})
 
 
-class CountingCollator(stage.RealmCollator):
+class CountingCollator(RealmCollator):
     """Counts the padded reader tokens B * K * (Lx + Lz) of each batch: the reader's cost driver."""
 
     reader_tokens = 0
@@ -194,9 +199,9 @@ def train_arm(base: REALM, blocks, rows, params, special, mode: str, every: int,
     store = IndexStore(tmp / "index")
     ctx = refresh_context(blocks, params, special)
     ctx.p = p
-    refresh = (ShadowRefresh if mode.endswith("_shadow") else stage.IndexRefresh)(ctx, store)
+    refresh = (ShadowRefresh if mode.endswith("_shadow") else IndexRefresh)(ctx, store)
     clock = Clock(refresh)
-    collator = CountingCollator(blocks, p, special, model.retriever, store)
+    collator = CountingCollator(blocks, p, special, model.retriever, store.search)
     trainer = Trainer(model, rows, collator, train, params.compute, tmp, hooks={"on_train_start": clock.on_train_start,
                       "on_step_end": clock.on_step_end}, param_prefix="realm.train", progress=False)
     trainer.fit()
@@ -207,7 +212,7 @@ def train_arm(base: REALM, blocks, rows, params, special, mode: str, every: int,
 
 
 def bench_train(base: REALM, blocks, params, special, reps: int, steps: int, every: int, tmp: Path) -> dict:
-    rows = stage.eligible_rows(blocks, params.realm, special.mask, 0)
+    rows = eligible_rows(blocks, params.realm, special.mask, 0)
     arms = ["none", "async", "sync", "async_shadow"]
     runs: dict[str, list] = {a: [] for a in arms}
     for rep in range(reps):

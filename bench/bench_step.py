@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from components.config import EncoderParams, RetroMAEParams  # noqa: E402
 from components.data.masking import RetroMAECollator, SpecialTokens  # noqa: E402
 from components.models.mlm import MLMModel  # noqa: E402
-from components.models.retromae import RetroMAE, build_encoder  # noqa: E402
+from components.models.encoder import build_encoder  # noqa: E402
+from components.models.retromae import RetroMAE  # noqa: E402
 
 SHAPES = {
     # params.yaml's default encoder and batch

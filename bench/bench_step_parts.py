@@ -36,10 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_step import summarize  # noqa: E402
-from components.data.realm_batch import IGNORE_INDEX  # noqa: E402
+from components.data.special_tokens import IGNORE_INDEX  # noqa: E402
 from components.index.faiss_index import BlockIndex  # noqa: E402
 from components.models.biencoder import BiEncoder  # noqa: E402
-from components.models.realm import REALM, KnowledgeAugmentedEncoder, Retriever  # noqa: E402
+from components.models.realm import REALM, KnowledgeAugmentedEncoder  # noqa: E402
+from components.models.retriever import Retriever  # noqa: E402
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 SHAPES = {

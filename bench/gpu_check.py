@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from components.config import EncoderParams, RetroMAEParams  # noqa: E402
 from components.data.masking import RetroMAECollator, SpecialTokens  # noqa: E402
-from components.models.retromae import RetroMAE, build_encoder  # noqa: E402
+from components.models.encoder import build_encoder  # noqa: E402
+from components.models.retromae import RetroMAE  # noqa: E402
 
 SHAPES = {
     "base": dict(hidden=768, layers=12, heads=12, inter=3072, vocab=30522, max_len=512, batch=32),

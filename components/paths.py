@@ -25,6 +25,17 @@ PLOTS = Path("plots")
 # Outside DVC's outs, so a killed stage's checkpoints survive `dvc repro` resetting its outputs.
 CHECKPOINTS = Path(os.environ.get("RR_CHECKPOINT_ROOT", "checkpoints"))
 
+# What each dvc.yaml stage declares under `outs` (metrics and plots files aside).
+STAGE_OUTS: dict[str, list[Path]] = {
+    "prepare_corpus": [CORPUS],
+    "tokenize": [TOKENS],
+    "pretrain_retromae": [RETROMAE_OUT],
+    "pretrain_mlm": [MLM_OUT],
+    "pretrain_realm": [REALM_OUT],
+    "finetune": [FINETUNE_OUT],
+    "evaluate": [METRICS / "eval"],
+}
+
 
 def stage_metrics(stage: str) -> Path:
     """metrics/<stage>.json: the stage summary that dvc.yaml declares as its metrics file."""

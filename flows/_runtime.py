@@ -1,6 +1,8 @@
-"""Shared plumbing for the stage flows: paths, params, Prefect server bootstrap, run tags.
+"""Shared plumbing for the stage flows: params, the local Prefect API, run tags.
 
-Flows stay thin: load params, open the stage's MLflow run, call `components/`, log, done.
+Flows stay thin: `flows._stage.run_stage` opens the stage's MLflow run, calls `components/` and
+logs; training flows launch their body through `flows._torchrun.run_training`; the DAG's folders
+come from `components.paths`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,6 @@ from pathlib import Path
 from typing import Iterator
 
 from components.config import Params, load_params
-
-from components.paths import (CHECKPOINTS, CORPUS, FINETUNE_OUT, METRICS, MLM_OUT, PLOTS,  # noqa: F401  the flows' folders
-                              REALM_OUT, RETROMAE_OUT, TOKENS)
 
 STAGES = ["prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune", "evaluate"]
 
@@ -100,32 +99,3 @@ def local_prefect_api(home: str | os.PathLike = ".prefect", timeout: float = 90.
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         logf.close()
-
-
-def run_training(stage: str, module: str, params: Params, run, body) -> dict:
-    """Run a training stage body in this process, or under torchrun when compute.nproc > 1.
-
-    Under torchrun, no Prefect flow runs inside the ranks: the ranks are plain processes, rank 0
-    resumes this stage's MLflow run through MLFLOW_RUN_ID, and their output streams into the
-    Prefect log line by line.
-    """
-    import json
-
-    from components.tracking import ENV_RUN
-    from components.training.distributed import run_streaming, torchrun_command
-
-    if params.compute.nproc == 1:
-        return body(params, run)
-    try:
-        from prefect import get_run_logger
-
-        emit = get_run_logger().info
-    except Exception:  # noqa: BLE001 - outside a flow run
-        emit = print
-    cmd = torchrun_command(module, [], params.compute.nproc)
-    env = {ENV_RUN: run.run_id, "MLFLOW_TRACKING_URI": run.uri, "RR_PARAMS": os.environ.get("RR_PARAMS", "params.yaml")}
-    emit("$ " + " ".join(cmd))
-    rc = run_streaming(cmd, env=env, log=emit)
-    if rc != 0:
-        raise RuntimeError(f"{stage}: torchrun exited with {rc}; the last checkpoint is kept, rerun to resume")
-    return json.loads((METRICS / f"{stage}.json").read_text())

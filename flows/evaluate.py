@@ -10,9 +10,9 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from components.eval.report import results_table
+from components.paths import CORPUS, METRICS
 from components.stages.evaluate import evaluate
-from components.tracking import StageRun
-from flows._runtime import CORPUS, METRICS, params_from_env, prefect_tags
+from flows._stage import Artifact, Dataset, run_stage
 
 STAGE = "evaluate"
 
@@ -22,22 +22,20 @@ def run_eval(params, run) -> dict:
     return evaluate(params, run)
 
 
+def _metrics(out: dict) -> dict:
+    """<set>.<system>.<metric> for every number of the table (not timings or counts)."""
+    return {f"{row['dataset']}.{row['system']}.{key}": v for row in out["rows"] for key, v in row.items()
+            if isinstance(v, (int, float)) and key not in ("seconds",) and not key.startswith("n_")}
+
+
 @flow(name=STAGE, log_prints=True)
 def evaluate_flow() -> dict:
-    params = params_from_env()
-    with StageRun(STAGE, params, ["evaluate"], extra_tags=prefect_tags()) as run:
-        run.log_dataset(CORPUS / "beir", name="test_data")
-        out = run_eval(params, run)
-        flat = {}
-        for row in out["rows"]:
-            for key, v in row.items():
-                if isinstance(v, (int, float)) and key not in ("seconds",) and not key.startswith("n_"):
-                    flat[f"{row['dataset']}.{row['system']}.{key}"] = v
-        run.log_metrics_now(flat)
-        run.log_text(results_table(out["rows"]), "results.md")
-        run.log_artifact(METRICS / "eval", artifact_path="eval")  # per-query files, HTML table, PNG figures
-        run.log_artifact(METRICS / "eval.json")
-        return out["table"]
+    out = run_stage(STAGE, ["evaluate"], run_eval, inputs=[Dataset(CORPUS / "beir", "test_data")], metrics=_metrics,
+                    log_more=lambda run, out: run.log_text(results_table(out["rows"]), "results.md"),
+                    artifacts=[Artifact(METRICS / "eval", "eval"),  # per-query files, HTML table, PNG figures
+                               Artifact(METRICS / "eval.json")],
+                    quiet=True)  # the stage prints the table itself
+    return out["table"]
 
 
 if __name__ == "__main__":

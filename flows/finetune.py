@@ -8,9 +8,10 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from components.paths import CORPUS, FINETUNE_OUT, stage_metrics
 from components.stages.finetune import finetune
-from components.tracking import StageRun
-from flows._runtime import CORPUS, FINETUNE_OUT, METRICS, params_from_env, prefect_tags, run_training
+from flows._torchrun import run_training
+from flows._stage import Artifact, Dataset, run_stage
 
 STAGE = "finetune"
 
@@ -22,17 +23,9 @@ def train(params, run) -> dict:
 
 @flow(name=STAGE, log_prints=True)
 def finetune_flow() -> dict:
-    params = params_from_env()
-    with StageRun(STAGE, params, ["finetune"], extra_tags=prefect_tags()) as run:
-        run.log_dataset(CORPUS / "beir", name="train_questions")
-        summary = train(params, run)
-        run.log_metrics_now({k: v for k, v in summary.items() if isinstance(v, (int, float))})
-        for sub in ("retriever", "open_qa"):
-            if (FINETUNE_OUT / sub).exists():
-                run.log_artifact(FINETUNE_OUT / sub, artifact_path=sub)
-        run.log_artifact(METRICS / f"{STAGE}.json")
-        print(f"{STAGE}: {summary}")
-        return summary
+    return run_stage(STAGE, ["finetune"], train, inputs=[Dataset(CORPUS / "beir", "train_questions")],
+                     artifacts=[*(Artifact(FINETUNE_OUT / sub, sub, optional=True) for sub in ("retriever", "open_qa")),
+                                Artifact(stage_metrics(STAGE))])
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from prefect.cache_policies import NO_CACHE
 
 from components.data.errors import DataError
 from components.data.prepare import prepare_corpus
-from components.tracking import StageRun
-from flows._runtime import CORPUS, params_from_env, prefect_tags
+from components.paths import CORPUS
+from flows._stage import Artifact, Dataset, run_stage
 
 
 def _retry_io_only(task, task_run, state) -> bool:
@@ -30,23 +30,22 @@ def read_clean_write(data_params, out_dir: str) -> dict:
     return prepare_corpus(data_params, out_dir)
 
 
+def _metrics(card: dict) -> dict:
+    return {"passages": card["passages"], "duplicates_dropped": card["dedupe"]["duplicates_dropped"],
+            "skipped_lines": card["read"]["skipped"], "queries_train": card["queries"]["train"],
+            "queries_test": card["queries"]["test"]}
+
+
+def _report(card: dict) -> str:
+    return (f"prepare_corpus: {card['passages']} passages ({card['dedupe']['duplicates_dropped']} duplicates dropped, "
+            f"{card['read']['skipped']} bad lines skipped), queries {card['queries']}")
+
+
 @flow(name="prepare_corpus", log_prints=True)
 def prepare_corpus_flow() -> dict:
-    params = params_from_env()
-    with StageRun("prepare_corpus", params, ["data"], extra_tags=prefect_tags()) as run:
-        card = read_clean_write(params.data, str(CORPUS))
-        run.log_dataset(CORPUS, name="corpus", context="output")
-        run.log_metrics_now({
-            "passages": card["passages"],
-            "duplicates_dropped": card["dedupe"]["duplicates_dropped"],
-            "skipped_lines": card["read"]["skipped"],
-            "queries_train": card["queries"]["train"],
-            "queries_test": card["queries"]["test"],
-        })
-        run.log_artifact(CORPUS / "data_card.json")
-        print(f"prepare_corpus: {card['passages']} passages ({card['dedupe']['duplicates_dropped']} duplicates dropped, "
-              f"{card['read']['skipped']} bad lines skipped), queries {card['queries']}")
-        return card
+    return run_stage("prepare_corpus", ["data"], lambda params, run: read_clean_write(params.data, str(CORPUS)),
+                     outputs=[Dataset(CORPUS, "corpus")], metrics=_metrics,
+                     artifacts=[Artifact(CORPUS / "data_card.json")], report=_report)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from components.io import write_text_atomic
+from components.paths import MLM_OUT, TOKENS, stage_metrics
 from components.stages.common import write_stage_metrics
 from components.stages.pretrain_retromae import train_encoder
-from components.tracking import StageRun
-from flows._runtime import METRICS, MLM_OUT, TOKENS, params_from_env, prefect_tags, run_training
+from flows._runtime import params_from_env
+from flows._torchrun import run_training
+from flows._stage import Artifact, Dataset, run_stage
 
 STAGE = "pretrain_mlm"
 
@@ -28,17 +30,11 @@ def pretrain_mlm_flow() -> dict:
     params = params_from_env()
     if not params.mlm.enabled:
         write_text_atomic(MLM_OUT / "DISABLED", "mlm.enabled is false: no MLM baseline was trained\n")
-        write_stage_metrics(METRICS / f"{STAGE}.json", {"enabled": False})
+        write_stage_metrics(stage_metrics(STAGE), {"enabled": False})
         print(f"{STAGE}: disabled (mlm.enabled: false)")
         return {"enabled": False}
-    with StageRun(STAGE, params, ["retromae", "mlm"], extra_tags=prefect_tags()) as run:
-        run.log_dataset(TOKENS / "pretrain", name="pretrain_blocks")
-        summary = train(params, run)
-        run.log_metrics_now({k: v for k, v in summary.items() if isinstance(v, (int, float))})
-        run.log_artifact(MLM_OUT / "encoder", artifact_path="encoder")
-        run.log_artifact(METRICS / f"{STAGE}.json")
-        print(f"{STAGE}: {summary}")
-        return summary
+    return run_stage(STAGE, ["retromae", "mlm", "warm_start"], train, params=params, inputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks")],
+                     artifacts=[Artifact(MLM_OUT / "encoder", "encoder"), Artifact(stage_metrics(STAGE))])
 
 
 if __name__ == "__main__":

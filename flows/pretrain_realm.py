@@ -16,9 +16,10 @@ from typing import Callable
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from components.paths import RETROMAE_ENCODER, TOKENS
 from components.stages.pretrain_realm import train_realm
-from components.tracking import StageRun
-from flows._runtime import RETROMAE_OUT, TOKENS, params_from_env, prefect_tags, run_training
+from flows._torchrun import run_training
+from flows._stage import Dataset, run_stage
 
 STAGE = "pretrain_realm"
 
@@ -43,18 +44,16 @@ def train(params, run) -> dict:
                         lambda p, r: train_realm(p, r, refresh_wrapper=prefect_refresh_wrapper))
 
 
+def _metrics(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 @flow(name=STAGE, log_prints=True)
 def pretrain_realm_flow() -> dict:
-    params = params_from_env()
-    with StageRun(STAGE, params, ["realm"], extra_tags=prefect_tags()) as run:
-        run.log_dataset(TOKENS / "blocks", name="retrieval_blocks")
-        if (RETROMAE_OUT / "encoder").is_dir():
-            run.log_dataset(RETROMAE_OUT / "encoder", name="retromae_encoder")
-        summary = train(params, run)  # logs the retriever, reader, final index and card itself
-        run.log_metrics_now({k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                            step=int(summary.get("step", 0)))
-        print(f"{STAGE}: {summary}")
-        return summary
+    # The body logs the retriever, reader, final index and card itself (its artifacts).
+    return run_stage(STAGE, ["realm"], train, metrics=_metrics, step=lambda summary: int(summary.get("step", 0)),
+                     inputs=[Dataset(TOKENS / "blocks", "retrieval_blocks"),
+                             Dataset(RETROMAE_ENCODER, "retromae_encoder", optional=True)])
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from components.paths import RETROMAE_OUT, TOKENS, stage_metrics
 from components.stages.pretrain_retromae import train_encoder
-from components.tracking import StageRun
-from flows._runtime import METRICS, RETROMAE_OUT, TOKENS, params_from_env, prefect_tags, run_training
+from flows._torchrun import run_training
+from flows._stage import Artifact, Dataset, run_stage
 
 STAGE = "pretrain_retromae"
 
@@ -23,16 +24,9 @@ def train(params, run) -> dict:
 
 @flow(name=STAGE, log_prints=True)
 def pretrain_retromae_flow() -> dict:
-    params = params_from_env()
-    with StageRun(STAGE, params, ["retromae"], extra_tags=prefect_tags()) as run:
-        run.log_dataset(TOKENS / "pretrain", name="pretrain_blocks")
-        summary = train(params, run)
-        run.log_metrics_now({k: v for k, v in summary.items() if isinstance(v, (int, float))})
-        run.log_artifact(RETROMAE_OUT / "encoder", artifact_path="encoder")  # HF format (safetensors)
-        run.log_artifact(RETROMAE_OUT / "model_card.md")
-        run.log_artifact(METRICS / f"{STAGE}.json")
-        print(f"{STAGE}: {summary}")
-        return summary
+    return run_stage(STAGE, ["retromae", "warm_start"], train, inputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks")],
+                     artifacts=[Artifact(RETROMAE_OUT / "encoder", "encoder"),  # HF format (safetensors)
+                                Artifact(RETROMAE_OUT / "model_card.md"), Artifact(stage_metrics(STAGE))])
 
 
 if __name__ == "__main__":

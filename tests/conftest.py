@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import flows  # noqa: E402,F401  (the pipeline's own no-telemetry / quiet env defaults)
 import pytest  # noqa: E402
 
+from components import paths  # noqa: E402
 from components.config import Params, load_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,16 +120,16 @@ def build_data_and_encoders(root: Path, p: Params, encoder_dirs: tuple[str, ...]
 
     from components.data.prepare import prepare_corpus
     from components.data.tokenize import load_tokenizer, tokenize_corpus
-    from components.models.retromae import build_encoder, save_pretrained_encoder
+    from components.models.encoder import build_encoder, save_encoder
 
-    prepare_corpus(p.data, root / "data/corpus")
-    tokenize_corpus(p.tokenize, root / "data/corpus", root / "data/tokens")
-    tok = load_tokenizer(root / "data/tokens/tokenizer")
+    prepare_corpus(p.data, root / paths.CORPUS)
+    tokenize_corpus(p.tokenize, root / paths.CORPUS, root / paths.TOKENS)
+    tok = load_tokenizer(root / paths.TOKENS / "tokenizer")
     torch.manual_seed(0)
     enc = build_encoder(p.retromae.encoder, len(tok), tok.pad_token_id, cls_token_id=tok.cls_token_id,
                         sep_token_id=tok.sep_token_id, mask_token_id=tok.mask_token_id)
     for name in encoder_dirs:
-        save_pretrained_encoder(enc, tok, root / "models" / name)
+        save_encoder(enc, tok, root / paths.MODELS / name)
 
 
 def overfit(model, batch, optimizer, steps: int = 25) -> list[float]:

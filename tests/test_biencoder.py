@@ -17,10 +17,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from components.data.finetune_data import (
-    BiEncoderCollator, doc_key, load_corpus, load_pairs, load_qa, mine_bm25_negatives, mine_dense_negatives,
-    retrieve_qa_blocks,
-)
+from components.data.finetune_data import BiEncoderCollator, doc_key, load_corpus, load_pairs, load_qa
+from components.retrieval.negatives import mine_bm25_negatives, mine_dense_negatives
+from components.retrieval.search import retrieve_qa_blocks
 from components.models.biencoder import BiEncoder, contrastive_scores, make_encode_fn
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

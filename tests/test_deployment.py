@@ -46,6 +46,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from components import paths
 from tests.conftest import ROOT, make_workspace
 from tests.servers import _SCRUB, MOTO_KEYS, _tool, http_json
 
@@ -337,13 +338,13 @@ def test_deployment_runs_pipeline_tracks_in_mlflow_s3_and_round_trips_dvc_remote
         keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])}
         assert keys, f"{stage}: no objects under s3://{bucket}/{prefix}"
         if stage == "tokenize":  # byte-identical to the output file it was logged from
-            local = ws / "data/tokens/tokenize_card.json"
+            local = ws / paths.TOKENS / "tokenize_card.json"
             body = s3.get_object(Bucket=bucket, Key=prefix + "tokenize_card.json")["Body"].read()
             assert body == local.read_bytes()
 
     # -- dvc push: every cached output (each file and each .dir manifest) is in the S3 remote -----
     outs = cached_outs(ws)
-    assert {"data/corpus", "data/tokens"} <= set(outs), outs
+    assert {str(paths.CORPUS), str(paths.TOKENS)} <= set(outs), outs
     remote = {o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
         Bucket=deployed.s3.buckets["dvc"], Prefix=deployed.dvc_prefix + "/") for o in page.get("Contents", [])}
     cache = ws / ".dvc" / "cache" / "files" / "md5"
@@ -357,16 +358,16 @@ def test_deployment_runs_pipeline_tracks_in_mlflow_s3_and_round_trips_dvc_remote
     assert "in sync" in deployed.dvc("status", "--cloud")
 
     # -- dvc pull after losing the cache and the outputs: bit-identical --------------------------
-    paths = [ws / p for p in outs]
-    before = md5_tree(paths, ws)
+    out_paths = [ws / p for p in outs]
+    before = md5_tree(out_paths, ws)
     assert before == first_run["md5"]
     shutil.rmtree(ws / ".dvc" / "cache")
-    for p in paths:
+    for p in out_paths:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     t0 = time.monotonic()
     deployed.dvc("pull", "--allow-missing")  # stages that never ran (finetune, ...) have nothing to pull
     TIMINGS["dvc_pull_s"] = round(time.monotonic() - t0, 1)
-    after = md5_tree(paths, ws)
+    after = md5_tree(out_paths, ws)
     assert after == before, sorted(set(before.items()) ^ set(after.items()))[:10]
     assert "up to date" in deployed.dvc("status", *STAGES)  # the pulled outputs match dvc.lock
     print(f"\n[deployment] upto={UPTO} stages={STAGES} timings={TIMINGS}")

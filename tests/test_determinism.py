@@ -8,8 +8,8 @@
   frequent merges by token ids that it hands out in hash-map order (Rust, per process and even per
   call): huggingface/tokenizers#1794, fix proposed in huggingface/tokenizers#2066. The tokenizer in
   `data/tokens/` (a DVC output, cached and pushed) is therefore the reproducibility anchor: the
-  stages after it are deterministic given it. The strict xfail below turns into a failure the day
-  a `tokenizers` upgrade fixes it, so the docs can be updated.
+  stages after it are deterministic given it. The xfail below is not strict: four trainings can
+  agree by chance, so an XPASS is luck, not a fix.
 
 What is and is not deterministic on GPU: docs/reliability.md.
 """
@@ -127,8 +127,9 @@ def test_two_runs_with_the_same_seed_are_identical(tmp_path):
     assert hashlib.sha256((a / enc).read_bytes()).digest() == hashlib.sha256((b / enc).read_bytes()).digest()
 
 
-@pytest.mark.xfail(strict=True, reason="huggingface/tokenizers#1794: WordPiece training breaks merge ties in hash-map "
-                                       "order; remove this marker (and update docs/reliability.md) once a fixed tokenizers is locked")
+@pytest.mark.xfail(strict=False, reason="huggingface/tokenizers#1794: WordPiece training breaks merge ties in hash-map "
+                                        "order, so four trainings may also agree by chance (non-strict: an XPASS is luck, not a fix); "
+                                        "remove this marker (and update docs/reliability.md) once a fixed tokenizers is locked")
 def test_tokenizer_training_is_deterministic():
     from components.config import SplitParams, SyntheticParams
     from components.data.synthetic import generate_world

@@ -1,5 +1,6 @@
 """DVC owns the DAG: the two data stages run through `dvc repro`, are tracked as MLflow child runs,
-and changing a `tokenize.*` param reruns only `tokenize` (and what follows), never prepare_corpus."""
+and changing a `tokenize.*` param reruns only `tokenize` (and what follows), never prepare_corpus.
+`dvc.yaml` and `components/paths.py` name the same folders."""
 
 import os
 import subprocess
@@ -7,11 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
+from components import paths
 from tests.conftest import make_workspace
 
-pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _repro(ws: Path, env: dict, *targets: str) -> str:
@@ -26,13 +29,37 @@ def _ran(stdout: str) -> set[str]:
     return {line.split("'")[1] for line in stdout.splitlines() if line.startswith("Running stage '")}
 
 
+def _names(entries) -> list[str]:
+    return [(next(iter(e)) if isinstance(e, dict) else e).rstrip("/") for e in entries or []]
+
+
+def test_dvc_yaml_names_the_folders_of_components_paths():
+    from flows._runtime import STAGES
+
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    assert list(stages) == STAGES == list(paths.STAGE_OUTS)
+    produced = [str(p) for outs in paths.STAGE_OUTS.values() for p in outs]
+    for name, spec in stages.items():
+        assert _names(spec.get("outs")) == [str(p) for p in paths.STAGE_OUTS[name]], name
+        for dep in _names(spec.get("deps")):
+            if dep.split("/")[0] in ("components", "flows"):
+                assert (ROOT / dep).exists(), f"{name}: dep {dep} does not exist"
+            else:  # a DAG folder: another stage's output, or a folder inside one
+                assert any(dep == o or dep.startswith(o + "/") for o in produced), f"{name}: {dep} is no stage's output"
+        metrics = _names(spec.get("metrics"))
+        assert metrics in ([], [str(paths.stage_metrics(name))]) or name == "evaluate", (name, metrics)
+        assert all(Path(m).parent == paths.METRICS for m in metrics), (name, metrics)
+        assert all(Path(f).parent == paths.PLOTS for f in _names(spec.get("plots"))), name
+
+
+@pytest.mark.slow
 def test_data_stages_rerun_only_downstream(tmp_path, shared_prefect_api):
     ws = make_workspace(tmp_path / "ws")
     uri = f"sqlite:///{ws}/mlflow.db"
     env = {**os.environ, "PREFECT_API_URL": shared_prefect_api, "MLFLOW_TRACKING_URI": uri, "RR_PARENT_RUN_ID": ""}
 
     assert _ran(_repro(ws, env, "tokenize")) == {"prepare_corpus", "tokenize"}
-    assert (ws / "data/tokens/pretrain").is_dir() and (ws / "dvc.lock").exists()
+    assert (ws / paths.TOKENS / "pretrain").is_dir() and (ws / "dvc.lock").exists()
     assert _ran(_repro(ws, env, "tokenize")) == set()  # nothing changed: nothing runs
 
     params = (ws / "params.yaml").read_text().replace("vocab_size: 400", "vocab_size: 420")

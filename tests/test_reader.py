@@ -15,9 +15,9 @@ from transformers import BertConfig, PreTrainedTokenizerFast
 from components.data.tokenize import train_wordpiece
 from components.data.text import normalize_answer
 from components.models.biencoder import BiEncoder
-from components.models.reader import (
-    MISSING_ROW, NULL_ROW, OpenQA, QACollator, SpanReader, find_answer_spans, word_boundaries,
-)
+from components.data.qa_batch import QACollator, find_answer_spans, word_boundaries
+from components.data.special_tokens import MISSING_ROW, NULL_ROW
+from components.models.reader import OpenQA, SpanReader
 
 BLOCKS = [
     "Thutax kept a ferret as a pet and played the bassoon.",  # 0
@@ -308,3 +308,26 @@ def test_reader_and_query_tower_load_from_an_mlm_encoder_folder(tok, tmp_path):
     torch.testing.assert_close(reader.qa_model.bert.embeddings.word_embeddings.weight, want)
     torch.testing.assert_close(tower.encoder.embeddings.word_embeddings.weight, want)
     torch.testing.assert_close(reader.qa_model.bert.encoder.layer[0].output.dense.weight, mlm.bert.encoder.layer[0].output.dense.weight)
+
+
+def test_open_qa_predictor_reads_the_index_top_k_like_predict(tok, blocks, block_vecs):
+    """eval/open_qa.OpenQAPredictor (what evaluate runs) = `predict` on the blocks the index returns."""
+    from types import SimpleNamespace
+
+    from components.eval.open_qa import OpenQAPredictor
+
+    class RowIndex:  # the frozen index: each question's rows, -1 padded, as BlockIndex.search returns
+        def search(self, q, k):
+            assert q.shape == (len(ROWS[:3]), D)
+            rows = np.array([([x for x in r["block_rows"] if x >= 0] + [-1] * k)[:k] for r in ROWS[:3]])
+            return np.zeros(rows.shape, dtype=np.float32), rows
+
+    ft = SimpleNamespace(query_len=QLEN, passage_len=PLEN, qa_top_k=K, max_answer_tokens=A)
+    model = make_model(len(tok))
+    qa = OpenQAPredictor(model, ft, tok, blocks, block_vecs, RowIndex(), batch_size=2)
+    preds = qa.predict_all([(str(i), r["question"]) for i, r in enumerate(ROWS[:3])])
+    collate = QACollator.from_params(tok, blocks, block_vecs, ft)
+    for i, r in enumerate(ROWS[:3]):
+        rows = [x for x in r["block_rows"] if x >= 0]
+        assert preds[str(i)] == model.predict(r["question"], [blocks[x] for x in rows], block_vecs[rows], collate)
+    assert set(qa.predict_all([("q", ROWS[0]["question"])], closed_book=True).values()) == {""}

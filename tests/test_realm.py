@@ -13,9 +13,8 @@ from components.data.realm_batch import (
     IGNORE_INDEX, MISSING_ROW, NULL_ROW, RealmQuery, SpecialTokens, build_batch, collate, passage_inputs,
     retrieve_candidates,
 )
-from components.models.realm import (
-    REALM, KnowledgeAugmentedEncoder, Retriever, knowledge_augmented_inputs, tiny_bert_config,
-)
+from components.models.realm import REALM, KnowledgeAugmentedEncoder, knowledge_augmented_inputs, tiny_bert_config
+from components.models.retriever import Retriever
 
 SP = SpecialTokens(cls=2, sep=3, pad=0, mask=4)
 VOCAB = 100

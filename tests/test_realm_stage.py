@@ -1,6 +1,7 @@
 """The `pretrain_realm` stage body on a tiny synthetic world: index refresh (sync and async), the
 swap at step boundaries, a failing refresh, resume after a kill, outputs, MLflow child runs, and
-(slow) the Prefect flow with its `refresh_index` subflows."""
+(slow) the Prefect flow with its `refresh_index` subflows. Also the pieces it drives, on the same
+world: the ICT and reader warm-up batches, the probes and their gold."""
 
 from __future__ import annotations
 
@@ -17,12 +18,19 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+import components.index.refresh as refresh_lib
 import components.stages.pretrain_realm as stage
-from components.data.realm_batch import SpecialTokens, passage_inputs
+from components.data.ict_batch import ICTCollator, ict_eligible_rows, sentence_token_spans
+from components.data.realm_batch import context_spans, eligible_rows, fixed_queries, masked_answer, passage_inputs
+from components.data.salient_spans import contains_span, salient_token_spans
+from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
+from components.eval.realm_probes import answer_blocks, heldout_probes, probe_retrieval, same_entity_gold
 from components.index.faiss_index import BlockIndex, IndexStore
-from components.models.realm import REALM, Retriever
+from components.models.realm import REALM
+from components.models.retriever import Retriever
 from components.stages.common import checkpoint_dir
 from components.tracking import StageRun
+from components.training.warmups import ReaderWarmupCollator, ReaderWarmupModel, SalientSpanIndex
 from tests.conftest import ROOT, TINY, build_data_and_encoders, tiny_params
 
 
@@ -93,17 +101,17 @@ def _world_blocks(world):
 def test_ict_collator_removes_the_query_sentence_from_its_context(world):
     p = tiny_params().realm
     blocks, sp = _world_blocks(world)
-    rows = stage.ict_eligible_rows(blocks)[:6]
+    rows = ict_eligible_rows(blocks)[:6]
     assert rows, "the synthetic world has multi-sentence blocks"
 
     def unpad(ids, mask):
         return ids[mask.bool()].tolist()[1:-1]  # drop [CLS] / [SEP]
 
     for rate in (1.0, 0.0):
-        b = stage.ICTCollator(blocks, p, sp, rate)(rows, generator=torch.Generator().manual_seed(3))
+        b = ICTCollator(blocks, p, sp, rate)(rows, generator=torch.Generator().manual_seed(3))
         for i, r in enumerate(rows):
             ids = list(blocks[r]["input_ids"])
-            spans = stage.sentence_token_spans(blocks[r]["text"], blocks[r]["offsets"])
+            spans = sentence_token_spans(blocks[r]["text"], blocks[r]["offsets"])
             assert len(spans) >= 2
             q, d = unpad(b["q_input_ids"][i], b["q_attention_mask"][i]), unpad(b["d_input_ids"][i], b["d_attention_mask"][i])
             hits = [(s, e) for s, e in spans if ids[s:e][: p.query_len - 2] == q]
@@ -118,24 +126,24 @@ def test_reader_warmup_reads_the_own_block_and_its_loss_is_the_masked_lm_loss(wo
 
     p = tiny_params().realm
     blocks, sp = _world_blocks(world)
-    rows = stage.eligible_rows(blocks, p, sp.mask, 0)[:5]
-    b = stage.ReaderWarmupCollator(blocks, p, sp)(rows, generator=torch.Generator().manual_seed(1))
+    rows = eligible_rows(blocks, p, sp.mask, 0)[:5]
+    b = ReaderWarmupCollator(blocks, p, sp)(rows, generator=torch.Generator().manual_seed(1))
     assert b["z_input_ids"].shape[:2] == (len(rows), 1)
     for i, r in enumerate(rows):  # z = the query's own block `z [SEP]`, and x is a masked window of it
         z = b["z_input_ids"][i, 0][b["z_attention_mask"][i, 0].bool()].tolist()
         assert z == list(blocks[r]["input_ids"])[: p.block_len - 2] + [sp.sep]
         x, y = b["x_input_ids"][i].tolist(), b["x_labels"][i].tolist()
-        hidden = [t for t, lab in zip(x, y) if lab != stage.IGNORE_INDEX]
+        hidden = [t for t, lab in zip(x, y) if lab != IGNORE_INDEX]
         assert hidden and set(hidden) == {sp.mask}
 
     # the fast path (MLM head at the masked tokens only) == cross-entropy of the full MLM logits
     torch.manual_seed(0)
     reader = KnowledgeAugmentedEncoder.from_pretrained(world / "models/retromae/encoder").eval()
-    out = stage.ReaderWarmupModel(reader)(b)
+    out = ReaderWarmupModel(reader)(b)
     ids, mask, types = knowledge_augmented_inputs(b["x_input_ids"], b["x_attention_mask"], b["z_input_ids"], b["z_attention_mask"])
     with torch.no_grad():
         logits = reader(ids[:, 0], mask[:, 0], types[:, 0])[:, : b["x_labels"].shape[1]]  # (B, Lx, V)
-    want = torch.nn.functional.cross_entropy(logits.transpose(1, 2), b["x_labels"], ignore_index=stage.IGNORE_INDEX)
+    want = torch.nn.functional.cross_entropy(logits.transpose(1, 2), b["x_labels"], ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-4, atol=1e-5)
 
 
@@ -146,26 +154,26 @@ def _z_tokens(b, i: int) -> list[int]:
 def test_answer_docs_state_the_hidden_span_about_what_x_names(world):
     blocks, sp = _world_blocks(world)
     p = tiny_params().realm
-    index = stage.SalientSpanIndex(blocks, p.span_tagger)
-    queries = stage.fixed_queries(blocks, stage.eligible_rows(blocks, p, sp.mask, 0), p, sp, 1)
+    index = SalientSpanIndex(blocks, p.span_tagger)
+    queries = fixed_queries(blocks, eligible_rows(blocks, p, sp.mask, 0), p, sp, 1)
     found = [index.answer_docs(q) for q in queries]
     assert 0 < sum(map(bool, found)) < len(queries)  # some facts are stated twice, most are not
-    gold = stage.same_entity_gold(queries, stage.answer_blocks(queries, blocks), blocks, p.span_tagger)
+    gold = same_entity_gold(queries, answer_blocks(queries, blocks), blocks, p.span_tagger)
     for q, docs, g in zip(queries, found, gold):
         assert q.source_row not in docs
         assert docs <= g  # holds the answer and one of x's other salient spans (the probe's definition) ...
         for r in docs:  # ... with the answer as a salient span of its own, not inside a longer word
             ids = list(blocks[r]["input_ids"])
-            assert stage.masked_answer(q) in {tuple(ids[s:e]) for s, e in stage.salient_token_spans(blocks[r], p.span_tagger)}
+            assert masked_answer(q) in {tuple(ids[s:e]) for s, e in salient_token_spans(blocks[r], p.span_tagger)}
 
 
 def test_reader_warmup_answer_block_reads_another_statement_of_the_fact(world):
     blocks, sp = _world_blocks(world)
     p = tiny_params(**{"realm.reader_warmup_doc": "answer_block", "realm.reader_warmup_swap_answer": 0.0}).realm
-    rows = stage.eligible_rows(blocks, p, sp.mask, 0)
-    index = stage.SalientSpanIndex(blocks, p.span_tagger)
+    rows = eligible_rows(blocks, p, sp.mask, 0)
+    index = SalientSpanIndex(blocks, p.span_tagger)
     allowed = set(rows[::2])  # documents may only come from these rows (the held-out blocks stay out)
-    col = stage.ReaderWarmupCollator(blocks, p, sp, index, allowed)
+    col = ReaderWarmupCollator(blocks, p, sp, index, allowed)
     examples = col.examples(rows, np.random.default_rng(3))
     assert len(examples) == len(rows)
     other = 0
@@ -182,14 +190,14 @@ def test_reader_warmup_answer_block_reads_another_statement_of_the_fact(world):
 def test_reader_warmup_swap_replaces_the_answer_in_labels_and_document(world):
     blocks, sp = _world_blocks(world)
     p = tiny_params(**{"realm.reader_warmup_doc": "own_block", "realm.reader_warmup_swap_answer": 0.0}).realm
-    rows = stage.eligible_rows(blocks, p, sp.mask, 0)[:20]
-    col = stage.ReaderWarmupCollator(blocks, p, sp, stage.SalientSpanIndex(blocks, p.span_tagger), set(rows))
+    rows = eligible_rows(blocks, p, sp.mask, 0)[:20]
+    col = ReaderWarmupCollator(blocks, p, sp, SalientSpanIndex(blocks, p.span_tagger), set(rows))
     rng = np.random.default_rng(5)
     for q, z in col.examples(rows, rng):
-        answer, labels, z0 = stage.masked_answer(q), list(q.labels), list(z)
+        answer, labels, z0 = masked_answer(q), list(q.labels), list(z)
         q2, z2 = col.swap_answer(q, z, rng)
         assert q.labels == labels and z == z0  # the inputs are not modified
-        new = stage.masked_answer(q2)
+        new = masked_answer(q2)
         assert q2.input_ids == q.input_ids and len(new) == len(answer) and new != answer
         assert new in col.spans.by_len[len(answer)]  # another salient span of the corpus
         # z2 = z with each occurrence of the answer (the own block has one, where x hides it) replaced by `new`
@@ -200,11 +208,11 @@ def test_reader_warmup_swap_replaces_the_answer_in_labels_and_document(world):
             assert z2[i] == (new[i - hit] if hit is not None else z[i])
 
     # through the batch, with the swap always on: x's label is written in z where the own block had another span
-    swapping = stage.ReaderWarmupCollator(blocks, p.model_copy(update={"reader_warmup_swap_answer": 1.0}), sp, col.spans, set(rows))
+    swapping = ReaderWarmupCollator(blocks, p.model_copy(update={"reader_warmup_swap_answer": 1.0}), sp, col.spans, set(rows))
     b = swapping(rows, generator=torch.Generator().manual_seed(5))
     for i, r in enumerate(rows):
         y = b["x_labels"][i]
-        hidden = tuple(y[y != stage.IGNORE_INDEX].tolist())
+        hidden = tuple(y[y != IGNORE_INDEX].tolist())
         z, orig = _z_tokens(b, i), list(blocks[r]["input_ids"])[: p.block_len - 2]
         n = len(hidden)
         assert hidden and len(z) == len(orig)
@@ -214,18 +222,18 @@ def test_reader_warmup_swap_replaces_the_answer_in_labels_and_document(world):
 def test_fixed_queries_draws_give_one_query_per_distinct_span(world):
     blocks, sp = _world_blocks(world)
     p = tiny_params().realm
-    rows = stage.eligible_rows(blocks, p, sp.mask, 0)[:30]
-    one = stage.fixed_queries(blocks, rows, p, sp, 1)
-    many = stage.fixed_queries(blocks, rows, p, sp, 1, draws=8)
+    rows = eligible_rows(blocks, p, sp.mask, 0)[:30]
+    one = fixed_queries(blocks, rows, p, sp, 1)
+    many = fixed_queries(blocks, rows, p, sp, 1, draws=8)
     assert [q.source_row for q in one] == rows and len(many) > len(one)
-    keys = [(q.source_row, stage.masked_answer(q)) for q in many]
+    keys = [(q.source_row, masked_answer(q)) for q in many]
     assert len(set(keys)) == len(keys)  # no span twice
     for r in rows:  # at most `draws` per block, and only spans the block has
         mine = [a for row, a in keys if row == r]
         ids = list(blocks[r]["input_ids"])
         assert 1 <= len(mine) <= 8
-        assert all(a in {tuple(ids[s:e]) for s, e in stage.salient_token_spans(blocks[r], p.span_tagger)} for a in mine)
-    assert stage.fixed_queries(blocks, rows, p, sp, 1, draws=8) == many  # fixed for a seed
+        assert all(a in {tuple(ids[s:e]) for s, e in salient_token_spans(blocks[r], p.span_tagger)} for a in mine)
+    assert fixed_queries(blocks, rows, p, sp, 1, draws=8) == many  # fixed for a seed
 
 
 def test_probe_retrieval_recall_and_rank():
@@ -233,7 +241,7 @@ def test_probe_retrieval_recall_and_rank():
     index = BlockIndex.build(emb, ["b0", "b1", "b2", "b3"], "flat")
     doc = np.asarray(["d0", "d0", "d1", "d2"])
     q = np.asarray([[0, 0, 1, 0.5], [0, 0, 0.2, 1.0]], dtype=np.float32)  # ranks: d1 first; d2 first
-    out = stage.probe_retrieval(q, index, [{"d1"}, {"d0"}], doc, k=1)
+    out = probe_retrieval(q, index, [{"d1"}, {"d0"}], doc, k=1)
     assert out["recall_at_k"] == 0.5
     assert out["mean_rank"] == pytest.approx((1 + 3) / 2)  # second query: b3, b2, then a d0 block
 
@@ -243,8 +251,8 @@ def test_probe_retrieval_leaves_out_the_source_block():
     index = BlockIndex.build(emb, ["b0", "b1", "b2"], "flat")
     q = np.asarray([[1.0, 0.5, 0.2]], dtype=np.float32)  # b0, b1, b2
     keys = np.asarray(["b0", "b1", "b2"])
-    assert stage.probe_retrieval(q, index, [{"b0"}], keys, k=1)["recall_at_k"] == 1.0
-    out = stage.probe_retrieval(q, index, [{"b2"}], keys, k=1, exclude=[0])  # b0 gone: b1 first, b2 second
+    assert probe_retrieval(q, index, [{"b0"}], keys, k=1)["recall_at_k"] == 1.0
+    out = probe_retrieval(q, index, [{"b2"}], keys, k=1, exclude=[0])  # b0 gone: b1 first, b2 second
     assert out["recall_at_k"] == 0.0 and out["mean_rank"] == 2.0
 
 
@@ -253,32 +261,32 @@ def test_heldout_gold_is_the_other_blocks_holding_the_masked_answer():
 
     blocks = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 6, 7]}, {"input_ids": [7, 6, 1]}, {"input_ids": [6, 7, 6]}]
     q = RealmQuery(input_ids=[5, 4, 4, 8], labels=[-100, 6, 7, -100], source_row=0, masked=(1, 3), masked_positions=[1, 2])
-    assert stage.answer_blocks([q], blocks) == [{1, 3}]  # the span in order, never the source block
+    assert answer_blocks([q], blocks) == [{1, 3}]  # the span in order, never the source block
     p = tiny_params().realm
     sp = SpecialTokens(cls=2, sep=3, pad=0, mask=4)
-    pr = stage.heldout_probes([q], blocks, np.asarray(["a", "b", "c", "d"]), p, sp)
+    pr = heldout_probes([q], blocks, np.asarray(["a", "b", "c", "d"]), p, sp)
     assert pr.level == "block" and pr.gold == [{"b", "d"}] and pr.exclude == [0]
     lonely = RealmQuery(input_ids=[4], labels=[99], source_row=2, masked=(0, 1), masked_positions=[0])
-    assert stage.heldout_probes([lonely], blocks, np.asarray(["a", "b", "c", "d"]), p, sp) is None  # unanswerable: dropped
+    assert heldout_probes([lonely], blocks, np.asarray(["a", "b", "c", "d"]), p, sp) is None  # unanswerable: dropped
 
 
 def test_same_entity_gold_keeps_the_answer_blocks_that_share_a_salient_span_with_x(world):
     p = tiny_params().realm
     blocks, sp = _world_blocks(world)
     ids = np.asarray(blocks["block_id"])
-    queries = stage.fixed_queries(blocks, stage.eligible_rows(blocks, p, sp.mask, 0), p, sp, 1)
-    loose = stage.heldout_probes(queries, blocks, ids, p, sp)
-    tight = stage.heldout_probes(queries, blocks, ids, p, sp, same_entity=True)
+    queries = fixed_queries(blocks, eligible_rows(blocks, p, sp.mask, 0), p, sp, 1)
+    loose = heldout_probes(queries, blocks, ids, p, sp)
+    tight = heldout_probes(queries, blocks, ids, p, sp, same_entity=True)
     assert tight.kind == "heldout_masked_same_entity" and 0 < len(tight) < len(loose)
     loose_gold = dict(zip(loose.exclude, loose.gold))
     by_row = {q.source_row: q for q in queries}
     row_of = {b: r for r, b in enumerate(ids)}
     for src, gold in zip(tight.exclude, tight.gold):
         assert gold <= loose_gold[src]  # still blocks that hold the answer
-        ctx = stage.context_spans(by_row[src], blocks[src], p.span_tagger)
-        assert ctx and stage.masked_answer(by_row[src]) not in ctx
+        ctx = context_spans(by_row[src], blocks[src], p.span_tagger)
+        assert ctx and masked_answer(by_row[src]) not in ctx
         for b in gold:  # ... and that name one of the entities / dates x shows
-            assert any(stage._contains(list(blocks[row_of[b]]["input_ids"]), c) for c in ctx)
+            assert any(contains_span(list(blocks[row_of[b]]["input_ids"]), c) for c in ctx)
     assert sum(map(len, tight.gold)) < sum(len(loose_gold[s]) for s in tight.exclude)  # coincidences dropped
 
 
@@ -341,13 +349,13 @@ def test_sync_refresh_outputs_child_runs_and_step_boundary_swap(ws):
 
 def test_async_refresh_builds_in_the_background_ict_init(ws, monkeypatch):
     threads = []
-    real_embed = stage.embed_blocks
+    real_embed = refresh_lib.embed_blocks
 
     def spy(*a, **kw):
         threads.append(threading.current_thread().name)
         return real_embed(*a, **kw)
 
-    monkeypatch.setattr(stage, "embed_blocks", spy)
+    monkeypatch.setattr(refresh_lib, "embed_blocks", spy)
     summary, run_id, _ = run_stage(**{"realm.refresh_mode": "async", "realm.retriever_init": "ict",
                                       "realm.train.max_steps": 6})
 
@@ -377,7 +385,7 @@ def test_refresh_every_zero_never_refreshes_during_training(ws):
 
 def test_failed_refresh_keeps_the_old_index_and_the_next_cadence_succeeds(ws, monkeypatch):
     calls = []
-    real_embed = stage.embed_blocks
+    real_embed = refresh_lib.embed_blocks
 
     def flaky(*a, **kw):
         calls.append(1)
@@ -385,7 +393,7 @@ def test_failed_refresh_keeps_the_old_index_and_the_next_cadence_succeeds(ws, mo
             raise RuntimeError("injected embed failure")
         return real_embed(*a, **kw)
 
-    monkeypatch.setattr(stage, "embed_blocks", flaky)
+    monkeypatch.setattr(refresh_lib, "embed_blocks", flaky)
     summary, run_id, _ = run_stage(**{"realm.refresh_mode": "sync", "realm.retriever_init": "random",
                                       "realm.train.max_steps": 6})
 

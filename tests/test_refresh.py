@@ -1,4 +1,4 @@
-"""refresh_index: embedding the corpus, encoder snapshots, staleness, the async refresher."""
+"""The index refresh library: embedding the corpus, encoder snapshots, staleness, the async refresher."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from components.index.faiss_index import BlockIndex, IndexStore
-from components.index.refresh import AsyncRefresher, embed_blocks, refresh_index, snapshot_module, staleness
+from components.index.refresh import AsyncRefresher, embed_and_build, embed_blocks, snapshot_module, staleness
 
 VOCAB, DIM = 50, 8
 
@@ -257,7 +257,7 @@ def test_bad_build_return_and_snapshot_failure_go_to_on_error():
         AsyncRefresher(lambda s, step: None, mode="threads")  # type: ignore[arg-type]
 
 
-def test_refresh_index_end_to_end_through_the_store(tmp_path):
+def test_embed_and_build_end_to_end_through_the_store(tmp_path):
     """snapshot -> embed -> build -> publish in the worker; the trainer swaps at a step boundary."""
     rows = _rows(40)
     ids = [r["block_id"] for r in rows]
@@ -265,7 +265,7 @@ def test_refresh_index_end_to_end_through_the_store(tmp_path):
     store = IndexStore(tmp_path)
 
     def build(snapshot, step):
-        return refresh_index(lambda b: snapshot(**b), rows, ids, batch_size=16, collate=_collate, step=step)
+        return embed_and_build(lambda b: snapshot(**b), rows, ids, batch_size=16, collate=_collate, step=step)
 
     first, stats = build(snapshot_module(model), 0)
     store.publish(first, step=0)

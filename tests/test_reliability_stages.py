@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from components import paths
 from tests.conftest import build_data_and_encoders, make_workspace
 
 pytestmark = pytest.mark.slow  # reason: three stage processes per test through dvc + Prefect + MLflow
@@ -57,8 +58,8 @@ OVERRIDES = {
 
 # stage -> (its trainers' checkpoint folders, the losses it logs, its output folder)
 STAGES = {
-    "pretrain_realm": (["pretrain_realm"], ["loss"], "models/realm"),
-    "finetune": (["finetune_retrieval", "finetune_qa"], ["retrieval.loss", "qa.loss"], "models/finetune"),
+    "pretrain_realm": (["pretrain_realm"], ["loss"], str(paths.REALM_OUT)),
+    "finetune": (["finetune_retrieval", "finetune_qa"], ["retrieval.loss", "qa.loss"], str(paths.FINETUNE_OUT)),
 }
 
 

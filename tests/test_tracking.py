@@ -101,3 +101,30 @@ def test_metric_buffer_saves_what_it_cannot_send(tmp_path):
     assert buf.close(timeout=0.5) == 2
     rows = [json.loads(l) for l in (tmp_path / "unsent.jsonl").read_text().splitlines()]
     assert sorted(r["key"] for r in rows) == ["loss", "lr"] and all(r["step"] == 3 for r in rows)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_torchrun_worker_rank0_resumes_the_stage_run_and_ends_it(tracked, monkeypatch, fails):
+    """Rank 0 inside torchrun continues the flow's run (MLFLOW_RUN_ID), flushes its buffered
+    metrics and ends the run: FINISHED, or FAILED when the body raises."""
+    from components.stages import common
+
+    p, client = tracked
+    monkeypatch.setattr(common, "load_params", lambda path: p)
+    monkeypatch.setenv("RANK", "0")
+
+    def body(params, run):
+        run.log_metrics({"loss": 0.5}, step=3)  # buffered: only the run's end sends it
+        if fails:
+            raise RuntimeError("boom")
+        return {}
+
+    with StageRun("finetune", p, ["finetune"]) as flow_run:
+        monkeypatch.setenv("MLFLOW_RUN_ID", flow_run.run_id)
+        if fails:
+            with pytest.raises(RuntimeError, match="boom"):
+                common.torchrun_worker("finetune", body)
+        else:
+            common.torchrun_worker("finetune", body)
+        assert client.get_run(flow_run.run_id).info.status == ("FAILED" if fails else "FINISHED")
+        assert [m.value for m in client.get_metric_history(flow_run.run_id, "loss")] == [0.5]

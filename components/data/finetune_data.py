@@ -1,41 +1,34 @@
-"""Fine-tuning data: retrieval pairs + hard negatives for the bi-encoder, QA rows for the reader.
+"""Fine-tuning data: retrieval pairs for the bi-encoder, QA rows for the reader, and the collator.
 
 Reads the corpus folder written by `prepare_corpus` (docs/contracts.md):
 
-    corpus = load_corpus("data/corpus")                          # {doc_id: passage text}
-    pairs = load_pairs("data/corpus", "train")                   # [{qid, query, pos_doc_id, positives, answers?}]
-    pairs = mine_bm25_negatives(pairs, corpus, depth=30)         # + "negatives": ranked doc ids
-    #  or   mine_dense_negatives(make_encode_fn(stage1, tok, 32, 80), pairs, corpus, depth=30)
+    corpus = load_corpus(CORPUS)                                 # {doc_id: passage text}
+    pairs = load_pairs(CORPUS, "train")                          # [{qid, query, pos_doc_id, positives, answers?}]
+    pairs = mine_bm25_negatives(pairs, corpus, depth=30)         # components.retrieval.negatives: + "negatives"
     collate = BiEncoderCollator(tok, p.finetune.query_len, p.finetune.passage_len, p.finetune.hard_negatives, corpus)
     batch = collate(pairs[:4], generator=torch.Generator().manual_seed(0))   # -> BiEncoder(batch)
 
-    qa = load_qa("data/corpus", "train")                         # [{id, question, answers, positive_ctx?}]
-    qa = retrieve_qa_blocks(encode_fn, qa, k=p.finetune.qa_top_k, search_fn=block_index.search)  # + block_rows
+    qa = load_qa(CORPUS, "train")                                # [{id, question, answers, positive_ctx?}]
+    #  -> components.retrieval.search.retrieve_qa_blocks(...) adds block_rows
     #  -> components.models.reader.QACollator(tok, blocks, block_vecs, ...)(qa[:4]) -> OpenQA(batch)
 
-Hard negatives: each pair keeps a ranked pool of `depth` negatives (never one of the query's
-positives, nor, when the query has QA answers, a passage containing an answer: DPR's filter for
-likely false negatives); every batch the collator samples `hard_negatives` of them without
-replacement from the trainer's generator (Tevatron-style), so each epoch sees different ones and a
-resumed run sees the same ones. A pool shorter than `hard_negatives` is topped up with random
-corpus passages (not positives), so every query always has exactly 1 + hard_negatives passages,
-which the cross-device gather needs.
+(CORPUS is `components.paths.CORPUS`.) Hard negatives: each pair keeps a ranked pool of `depth`
+negatives (mined in `components.retrieval.negatives`); every batch the collator samples
+`hard_negatives` of them without replacement from the trainer's generator (Tevatron-style), so
+each epoch sees different ones and a resumed run sees the same ones. A pool shorter than
+`hard_negatives` is topped up with random corpus passages (not positives), so every query always
+has exactly 1 + hard_negatives passages, which the cross-device gather needs.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from components.data import beir
-
-SIDE_QUERY, SIDE_PASSAGE = "query", "passage"
-EncodeFn = Callable[[Sequence[str], str], np.ndarray]  # (texts, "query"|"passage") -> (N, D) float32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,94 +77,6 @@ def load_qa(corpus_dir: str | Path, split: str = "train") -> list[dict]:
     if path.exists() and path.stat().st_size == 0:
         return []  # prepare_corpus writes an empty file for a split without questions
     return beir.read_qa(path)
-
-
-# ----------------------------------------------------------------------------------------------
-# hard negatives
-# ----------------------------------------------------------------------------------------------
-def _unique_queries(pairs: Sequence[dict]) -> tuple[list[str], dict[str, dict]]:
-    first: dict[str, dict] = {}
-    for r in pairs:
-        first.setdefault(r["qid"], r)
-    return list(first), first
-
-
-def _with_negatives(pairs: Sequence[dict], negatives: Mapping[str, list[str]]) -> list[dict]:
-    return [{**r, "negatives": list(negatives[r["qid"]])} for r in pairs]
-
-
-def mine_bm25_negatives(pairs: Sequence[dict], corpus: Mapping[str, str], depth: int = 30, retriever: Any = None) -> list[dict]:
-    """Add `negatives`: the top `depth` BM25 passages of each query that are not its positives
-    (nor answer-bearing, when the pair has `answers`). `retriever`: a fitted BM25Retriever
-    (fitted on `corpus` here when None). BM25 may return fewer (docs sharing no term are no hard
-    negatives); the collator tops short pools up with random passages."""
-    if retriever is None:
-        from components.retrieval.bm25 import BM25Retriever
-
-        retriever = BM25Retriever().fit(list(corpus), list(corpus.values()))
-    qids, first = _unique_queries(pairs)
-    if not qids:
-        return []
-    negs = retriever.hard_negatives(
-        [first[q]["query"] for q in qids], [first[q]["positives"] for q in qids], k=depth,
-        answers=[first[q].get("answers", []) for q in qids],  # [] = no answer filter for that query
-    )
-    return _with_negatives(pairs, dict(zip(qids, negs)))
-
-
-def dense_search(query_vecs: np.ndarray, passage_vecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exact inner-product top-k with faiss IndexFlatIP: (scores, rows), each (Q, min(k, N))."""
-    import faiss
-
-    p = np.ascontiguousarray(passage_vecs, dtype=np.float32)
-    q = np.ascontiguousarray(query_vecs, dtype=np.float32)
-    index = faiss.IndexFlatIP(p.shape[1])
-    index.add(p)
-    return index.search(q, min(k, p.shape[0]))
-
-
-def mine_dense_negatives(
-    encode_fn: EncodeFn, pairs: Sequence[dict], corpus: Mapping[str, str], depth: int = 30,
-    passage_vecs: np.ndarray | None = None,
-) -> list[dict]:
-    """Add `negatives` from a dense search of the stage-1 encoder (ANCE/RocketQA-style): the top
-    `depth` passages by inner product that are not positives and contain no gold answer.
-
-    `encode_fn(texts, "query"|"passage") -> (N, D)` float32 (see `biencoder.make_encode_fn`);
-    `passage_vecs` (len(corpus), D) in corpus order skips re-encoding the corpus.
-    """
-    from components.data.text import normalize_answer
-
-    doc_ids = list(corpus)
-    qids, first = _unique_queries(pairs)
-    if not qids:
-        return []
-    if passage_vecs is None:
-        passage_vecs = encode_fn([corpus[d] for d in doc_ids], SIDE_PASSAGE)
-    query_vecs = encode_fn([first[q]["query"] for q in qids], SIDE_QUERY)
-    max_pos = max(len(first[q]["positives"]) for q in qids)
-    # Search deep enough that filtering positives and answer-bearing passages still leaves `depth`
-    # in most cases; the collator tops up the rest.
-    _, rows = dense_search(query_vecs, passage_vecs, 2 * depth + max_pos)
-    normed: dict[str, str] = {}
-    out: dict[str, list[str]] = {}
-    for qi, q in enumerate(qids):
-        pos = set(first[q]["positives"])
-        golds = [f" {a} " for a in (normalize_answer(x) for x in first[q].get("answers", [])) if a]
-        negs: list[str] = []
-        for r in rows[qi]:
-            if r < 0 or len(negs) == depth:
-                break
-            d = doc_ids[r]
-            if d in pos:
-                continue
-            if golds:
-                t = normed.setdefault(d, f" {normalize_answer(corpus[d])} ")
-                if any(g in t for g in golds):
-                    continue  # likely a false negative: it answers the question
-            negs.append(d)
-        out[q] = negs
-    return _with_negatives(pairs, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,36 +154,3 @@ class BiEncoderCollator:
             "passage_keys": torch.tensor(keys, dtype=torch.long),
             "query_positive_keys": torch.tensor([k + [-1] * (P - len(k)) for k in positives], dtype=torch.long),
         }
-
-
-def write_pairs_jsonl(path: str | Path, pairs: Sequence[dict]) -> Path:
-    """Mined pairs (with negatives) as JSON lines, atomically: a cacheable stage output."""
-    from components.io import write_text_atomic
-
-    return write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pairs))
-
-
-def read_pairs_jsonl(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-# ----------------------------------------------------------------------------------------------
-# QA rows: the top-k blocks of the frozen index
-# ----------------------------------------------------------------------------------------------
-def retrieve_qa_blocks(
-    encode_fn: EncodeFn, qa_rows: Sequence[dict], k: int, block_vecs: np.ndarray | None = None,
-    search_fn: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None,
-) -> list[dict]:
-    """Add `block_rows` (the top-k block rows) to each QA row, searching the frozen block index
-    once with the stage-1 query encoder: `search_fn(q, k) -> (scores, rows)` (e.g.
-    `BlockIndex.search`), or an exact IndexFlatIP over `block_vecs`. Only the *selection* is fixed
-    here; `OpenQA` re-scores the k blocks with the training query tower every step (REALM's
-    stale-index argument), the block vectors themselves never change."""
-    if (block_vecs is None) == (search_fn is None):
-        raise ValueError("give exactly one of block_vecs or search_fn")
-    if not qa_rows:
-        return []
-    q = encode_fn([r["question"] for r in qa_rows], SIDE_QUERY)
-    _, rows = search_fn(q, k) if search_fn is not None else dense_search(q, block_vecs, k)
-    return [{**r, "block_rows": [int(x) for x in rows[i] if x >= 0]} for i, r in enumerate(qa_rows)]

@@ -1,4 +1,5 @@
-"""Masking for retrieval-oriented pre-training: whole-word MLM masks and the batch collators.
+"""Masking for retrieval-oriented pre-training: whole-word MLM masks, the RetroMAE decoder's
+position-specific masks, and the batch collators.
 
     from components.data.masking import SpecialTokens, RetroMAECollator, MLMCollator
     ids = SpecialTokens.from_tokenizer(tokenizer)
@@ -20,12 +21,15 @@ Randomness: collators draw everything from their own `torch.Generator` (seeded; 
 `load_state_dict()` for resume). The RetroMAE decoder masks are drawn later, on the model's device,
 from a per-row `decoder_seed` the collator emits, through `counter_hash` (a stateless hash, so the
 masks are a pure function of the batch: integer arithmetic and a stable sort give the same masks
-on any device, and again after a resume).
+on any device, and again after a resume):
+
+    pool = decoder_mask_pool(word_ids, seed, ratio, pool_size)      # (B, P, L) whole-word masks
+    choice = decoder_row_choice(seed, attention_mask, pool.size(1))  # (B, L) pool entry of each row
+    visible = position_specific_mask(pool, choice, attention_mask)   # (B, L, L) what row i may read
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -121,6 +125,55 @@ def mlm_corrupt(
     out = torch.where(mask & (u >= 0.8) & (u < 0.9), random_tok, out)
     labels = torch.where(mask, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
     return out, labels
+
+
+# ----------------------------------------------------------------------------------------------
+# enhanced decoding: the position-specific attention mask
+# ----------------------------------------------------------------------------------------------
+# Independent random streams of the decoder masks (inputs to `counter_hash` next to the row seed).
+_STREAM_POOL, _STREAM_ROW = 1, 2
+
+
+def decoder_mask_pool(word_ids: torch.Tensor, seed: torch.Tensor, ratio: float, pool_size: int, passes: int = 4) -> torch.Tensor:
+    """P whole-word masks per sequence at `ratio` (True = hidden from the decoder).
+
+    word_ids (B, L) long (-1 = special/pad: never masked), seed (B,) long -> (B, P, L) bool with
+    P = min(pool_size, L): a row never needs more pool entries than it has positions (the reference
+    collator draws min(len, 128) masks).
+    """
+    B, L = word_ids.shape
+    P = min(pool_size, L)
+    dev = word_ids.device
+    p = torch.arange(P, device=dev).view(1, P, 1)
+    w = torch.arange(L, device=dev).view(1, 1, L)  # word ids are < L (renumbered per row by the collator)
+    keys = counter_hash(seed.view(B, 1, 1), torch.tensor(_STREAM_POOL, device=dev), p, w)  # (B, P, L) int word priorities
+    words = word_ids[:, None, :].expand(B, P, L).reshape(B * P, L)  # (B*P, L)
+    return whole_word_mask(words, ratio, keys.reshape(B * P, L), passes).view(B, P, L)
+
+
+def decoder_row_choice(seed: torch.Tensor, attention_mask: torch.Tensor, pool_size: int) -> torch.Tensor:
+    """Which pool entry each decoder row i uses: (B, L) long, uniform over the row's first
+    min(n_b, P) entries (n_b = real tokens incl. specials, as the reference collator)."""
+    B, L = attention_mask.shape
+    n = attention_mask.sum(1).clamp(min=1, max=pool_size)  # (B,)
+    i = torch.arange(L, device=attention_mask.device).view(1, L)
+    return counter_hash(seed.view(B, 1), torch.tensor(_STREAM_ROW, device=seed.device), i) % n.view(B, 1)  # (B, L)
+
+
+def position_specific_mask(pool: torch.Tensor, choice: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """visible[b, i, j] (B, L, L) bool: may decoder row i attend to position j?
+
+    Row i sees everything its pool draw leaves unmasked, except itself (it must predict its own
+    token) and padding. Position 0 holds the sentence embedding and is never in a pool mask (special
+    token), so every row but row 0 sees it; this also keeps padded rows from being all-False (SDPA
+    would return NaN there). Row 0 ([CLS], no loss) still sees [SEP] and the unmasked tokens.
+    """
+    B, P, L = pool.shape
+    hidden = pool.gather(1, choice.view(B, L, 1).expand(B, L, L))  # (B, L, L) row i's draw
+    visible = ~hidden & attention_mask.bool().view(B, 1, L)  # padding keys never visible
+    visible &= ~torch.eye(L, dtype=torch.bool, device=pool.device)  # never itself
+    visible[:, 1:, 0] = True  # the sentence embedding, for every row but its own
+    return visible
 
 
 # ----------------------------------------------------------------------------------------------

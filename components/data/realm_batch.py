@@ -8,7 +8,7 @@ swapped in asynchronously, `refresh_index`):
     q = retriever.encode_query(x["x_input_ids"], x["x_attention_mask"])  # no grad, (B, d)
     cand = retrieve_candidates(q, index.search, [q.source_row for q in queries], p.top_k)  # (B, K)
     batch = collate(queries, cand, blocks, p, special)            # what REALM.forward takes
-(`build_batch` does the last three lines.)
+(`build_batch` does the last three lines; `RealmCollator` is the Trainer's collate_fn around it.)
 
 Rows are row numbers of the retrieval-blocks dataset (what the FAISS index returns). In candidate
 rows `NULL_ROW` (-1) is the null document (always slot 0) and `MISSING_ROW` (-2) a slot the index
@@ -38,11 +38,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
-from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans
+from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
+from components.data.salient_spans import block_spans, contains_span, salient_token_spans, whole_words
 
-NULL_ROW = -1  # the null document: empty z, `[CLS] x [SEP] [SEP]`
-MISSING_ROW = -2  # no document in this slot (index had fewer than K)
 _FALLBACK_SPAN_LENS = (1, 2, 3, 4)  # random_span length when the block has no salient span
 
 
@@ -70,25 +68,6 @@ def _word_starts(word_ids: Sequence[int]) -> np.ndarray:
     return np.concatenate([[True], w[1:] != w[:-1]]) if len(w) else np.zeros(0, dtype=bool)
 
 
-def _whole_words(s: int, e: int, word_ids: Sequence[int]) -> tuple[int, int]:
-    """Grow [s, e) to whole words: masking half a word lets the reader read the answer off the rest."""
-    while s > 0 and word_ids[s - 1] == word_ids[s]:
-        s -= 1
-    while e < len(word_ids) and word_ids[e] == word_ids[e - 1]:
-        e += 1
-    return s, e
-
-
-def salient_token_spans(block_row: dict, tagger: str = "auto") -> list[tuple[int, int]]:
-    """Whole-word token spans of the block's salient spans (source-marked, else tagged)."""
-    char_spans = _as_list(block_row.get("char_spans") or [])
-    if len(char_spans) == 0:
-        char_spans = [(s, e) for s, e, _ in find_salient_spans(block_row.get("text") or "", tagger)]
-    word_ids = _as_list(block_row["word_ids"])
-    spans = char_spans_to_token_spans(char_spans, _as_list(block_row["offsets"]))
-    return sorted({_whole_words(s, e, word_ids) for s, e in spans})
-
-
 def _window_start(n: int, width: int, starts: np.ndarray, rng: np.random.Generator, cover: tuple[int, int] | None = None) -> int:
     """A random window start; it begins on a word and, if given, contains `cover` entirely."""
     lo, hi = 0, n - width  # inclusive
@@ -112,7 +91,7 @@ def _random_word_span(lo: int, hi: int, target: int, max_masks: int, word_ids: S
     for s in word_heads:
         e = s
         while e < hi:
-            _, nxt = _whole_words(e, e + 1, word_ids)
+            _, nxt = whole_words(e, e + 1, word_ids)
             if nxt > hi or nxt - s > max_masks or (e > s and e - s >= target):
                 break
             e = nxt
@@ -184,6 +163,58 @@ def make_query(
         input_ids=window, labels=labels, source_row=source_row, block_id=str(block_row.get("block_id", "")),
         masked=(span[0] - w0, span[1] - w0) if span is not None else None, masked_positions=rel,
     )
+
+
+def masked_answer(q: RealmQuery) -> tuple[int, ...]:
+    """The token ids hidden in x, in order (a contiguous span in the span masking modes)."""
+    return tuple(int(q.labels[i]) for i in q.masked_positions)
+
+
+def unmasked_spans(q: RealmQuery, spans: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Of x's source-block `spans`, those x shows unmasked (its entities / dates other than the
+    answer): what x is about."""
+    answer = masked_answer(q)
+    return sorted(sp for sp in spans if sp != answer and contains_span(q.input_ids, sp))
+
+
+def context_spans(q: RealmQuery, block_row: dict, tagger: str = "auto") -> list[tuple[int, ...]]:
+    """`unmasked_spans` of x's source block `block_row`."""
+    return unmasked_spans(q, block_spans(block_row, tagger))
+
+
+# ----------------------------------------------------------------------------------------------
+# queries over the retrieval-blocks dataset
+# ----------------------------------------------------------------------------------------------
+def iter_block_rows(blocks, columns: list[str], batch: int = 1000):
+    """(row, {column: value}) over an HF dataset, read `batch` rows per Arrow slice."""
+    sub = blocks.select_columns(columns)
+    for start in range(0, len(sub), batch):
+        cols = sub[start:start + batch]
+        names = list(cols)
+        for i, vals in enumerate(zip(*(cols[c] for c in names))):
+            yield start + i, dict(zip(names, vals))
+
+
+def eligible_rows(blocks, p, mask_token_id: int, seed: int) -> list[int]:
+    """Rows for which `make_query` yields a query (salient-span mode: the block has a usable span)."""
+    cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text", "block_id") if c in blocks.column_names]
+    rng = np.random.default_rng(seed)
+    return [r for r, row in iter_block_rows(blocks, cols) if make_query(row, p, rng, mask_token_id=mask_token_id, row=r)]
+
+
+def fixed_queries(blocks, rows: list[int], p, special: SpecialTokens, seed: int, draws: int = 1) -> list[RealmQuery]:
+    """Masked queries per row, the same for a given seed (probes and held-out evaluation): `draws`
+    masks drawn per row, of which the distinct answers are kept (one query per span)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in rows:
+        seen: set[tuple[int, ...]] = set()
+        for _ in range(draws):
+            q = make_query(blocks[int(r)], p, rng, mask_token_id=special.mask, row=int(r))
+            if q is not None and (answer := masked_answer(q)) not in seen:
+                seen.add(answer)
+                out.append(q)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,3 +344,42 @@ def build_batch(
         retriever.train(was_training)
     cand = retrieve_candidates(q, index_search_fn, [qq.source_row for qq in queries], params.top_k)
     return collate(queries, cand, block_token_lookup, params, special)
+
+
+# ----------------------------------------------------------------------------------------------
+# the Trainer's collate_fn
+# ----------------------------------------------------------------------------------------------
+class RealmCollator:
+    """rows (block row numbers) -> the batch REALM.forward takes, retrieving from the CURRENT index.
+
+    `retriever` (the live `Retriever`, any module with `encode_query`) and `search(q, k) -> (scores,
+    rows)` (e.g. `IndexStore.search`, which reads whichever index was swapped in last) are passed
+    in, so this data module depends on neither the models nor the index. Called by the Trainer in
+    the training thread (`num_workers` must be 0: a worker process would search a copy of the
+    index that never sees a swap). Masks are drawn from the Trainer's per-(step, micro-batch)
+    generator, so a resumed run draws the same masks.
+    """
+
+    def __init__(self, blocks, p, special: SpecialTokens, retriever, search: Callable[[np.ndarray, int], tuple]):
+        self.blocks = blocks
+        self.lookup = blocks.select_columns(["input_ids"])
+        self.p, self.special, self.retriever, self.search = p, special, retriever, search
+
+    def queries(self, rows: list[int], rng: np.random.Generator) -> list[RealmQuery]:
+        out = []
+        for r in rows:
+            q = make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r))
+            if q is not None:  # eligible rows always give one in salient-span mode
+                out.append(q)
+        return out
+
+    def batch(self, queries: list[RealmQuery], search=None, retriever=None) -> dict[str, torch.Tensor]:
+        """The batch for `queries`; `search` / `retriever` default to the live ones (an evaluation
+        passes a fixed index's search and the model's retriever)."""
+        retriever = retriever or self.retriever
+        device = next(retriever.parameters()).device
+        return build_batch(queries, retriever, search or self.search, self.lookup, self.p, self.special, device)
+
+    def __call__(self, rows: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        rng = np.random.default_rng(generator.initial_seed() if generator is not None else 0)
+        return self.batch(self.queries(rows, rng))

@@ -10,6 +10,9 @@ found salient spans with a BERT NER tagger plus a regex date tagger. Here:
   `tagger="auto"`: spaCy when it loads, else the regex tagger (logged once).
 * `char_spans_to_token_spans(char_spans, offsets)` -> `[(tok_start, tok_end), ...]` (half-open),
   using the tokenizer's `[char_start, char_end)` offsets of each token.
+* `salient_token_spans(block_row, tagger)`: a tokenized block's spans, grown to whole words;
+  `block_spans` gives their token sequences, `contains_span` finds one in a token list (what the
+  held-out probes' gold and the reader warm-up's documents are matched by).
 
 Try it:
     .venv/bin/python -c "from components.data.salient_spans import find_salient_spans as f; \
@@ -194,3 +197,41 @@ def char_spans_to_token_spans(
             if ts not in out:
                 out.append(ts)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# salient spans of a tokenized block
+# ----------------------------------------------------------------------------------------------
+def _as_list(x) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def whole_words(s: int, e: int, word_ids: Sequence[int]) -> tuple[int, int]:
+    """Grow [s, e) to whole words: masking half a word lets the reader read the answer off the rest."""
+    while s > 0 and word_ids[s - 1] == word_ids[s]:
+        s -= 1
+    while e < len(word_ids) and word_ids[e] == word_ids[e - 1]:
+        e += 1
+    return s, e
+
+
+def salient_token_spans(block_row: dict, tagger: Tagger = "auto") -> list[tuple[int, int]]:
+    """Whole-word token spans of the block's salient spans (source-marked `char_spans`, else tagged)."""
+    char_spans = _as_list(block_row.get("char_spans") or [])
+    if len(char_spans) == 0:
+        char_spans = [(s, e) for s, e, _ in find_salient_spans(block_row.get("text") or "", tagger)]
+    word_ids = _as_list(block_row["word_ids"])
+    spans = char_spans_to_token_spans(char_spans, _as_list(block_row["offsets"]))
+    return sorted({whole_words(s, e, word_ids) for s, e in spans})
+
+
+def block_spans(block_row: dict, tagger: Tagger = "auto") -> set[tuple[int, ...]]:
+    """The token sequences of a block's salient spans."""
+    ids = [int(t) for t in block_row["input_ids"]]
+    return {tuple(ids[s:e]) for s, e in salient_token_spans(block_row, tagger) if e > s}
+
+
+def contains_span(hay: Sequence[int], needle: tuple[int, ...]) -> bool:
+    """Whether the token sequence `needle` occurs in `hay`, in order."""
+    n = len(needle)
+    return any(tuple(hay[i:i + n]) == needle for i in range(len(hay) - n + 1))

@@ -10,6 +10,9 @@ from typing import Any
 import torch
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch cross_entropy's default)
+# Candidate-row sentinels of a retrieved top-k (REALM pre-training and open-QA batches).
+NULL_ROW = -1     # the null document: an empty z, `[CLS] x [SEP] [SEP]`
+MISSING_ROW = -2  # no document in this slot (the index returned fewer than K): masked out
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Dense retrieval for evaluation: encode queries and blocks, search FAISS, aggregate to documents.
 
-    run = dense_run(HFEncoder.load("models/retromae/encoder"), blocks, queries, tokenizer, k=100)
+    enc = HFEncoder.load("models/retromae/encoder")      # components.models.encoder.load_encoder
+    run, stats = dense_run(enc, enc, blocks, queries, tokenizer, k=100, query_len=32, passage_len=128, batch_size=64)
 
 Blocks are the tokenize stage's retrieval blocks (no special tokens; see docs/contracts.md).
 A document's score is the best score of its blocks (MaxP), so block packing never decides which
@@ -17,6 +18,7 @@ import torch
 
 from components.index.faiss_index import BlockIndex
 from components.index.refresh import embed_blocks
+from components.models.encoder import cls_pool, load_encoder
 
 EncodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids (B, L), mask (B, L)) -> (B, d)
 
@@ -43,22 +45,14 @@ class HFEncoder:
 
     @classmethod
     def load(cls, folder: str | Path, device: str = "cpu") -> "HFEncoder":
-        from transformers import AutoModel
-        from transformers.utils import logging as hf_logging
-
-        # The MLM head's weights are "unexpected" and the pooler "missing" when an MLM checkpoint is
-        # loaded as a bare encoder; both are irrelevant to [CLS] pooling, so keep the log quiet.
-        prev = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            return cls(AutoModel.from_pretrained(str(folder)), device)
-        finally:
-            hf_logging.set_verbosity(prev)
+        # The shared loader: encoder weights missing from the folder raise instead of scoring a
+        # randomly initialised tower. An MLM checkpoint's head shows as UNEXPECTED in HF's load
+        # report; that is expected ([CLS] pooling never reads the head) and left visible.
+        return cls(load_encoder(folder), device)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
-        return out.last_hidden_state[:, 0]  # (B, H)
+        return cls_pool(self.model, ids.to(self.device), mask.to(self.device))  # (B, H)
 
 
 def encode_token_rows(encode: EncodeFn, rows: list[list[int]], tokenizer, max_len: int, batch_size: int, desc: str) -> tuple[np.ndarray, dict]:

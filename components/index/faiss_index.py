@@ -59,8 +59,10 @@ TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 
-# Defaults chosen from bench/bench_index.py (see bench/results/index.json).
-DEFAULT_AUTO_FLAT_MAX = 100_000
+# Defaults chosen from bench/bench_index.py (bench/results/index.json). `auto` is exact flat up to
+# 1M blocks on the CPU: the bench's recommendation (up to there flat search costs a REALM index
+# version less than building an IVF index would save), as params.yaml's `realm.index_auto_flat_max`.
+DEFAULT_AUTO_FLAT_MAX = 1_000_000
 DEFAULT_HNSW_M = 32
 DEFAULT_HNSW_EF_CONSTRUCTION = 100
 DEFAULT_HNSW_EF_SEARCH = 128

@@ -1,10 +1,12 @@
-"""REALM's `refresh_index`: re-embed the knowledge corpus with a snapshot of the block encoder and
+"""REALM's index refresh: re-embed the knowledge corpus with a snapshot of the block encoder and
 swap the new MIPS index in while training continues (REALM sec. 3.4: "asynchronously refresh").
 
     snapshot = snapshot_module(model.retriever)          # at a step boundary, cheap
-    emb, stats = embed_blocks(lambda b: snapshot.encode_passage(**b), blocks, 64, collate)
-    fresh = BlockIndex.build(emb, ids, "auto")
+    fresh, stats = embed_and_build(lambda b: snapshot.encode_passage(**b), blocks, ids, batch_size=64, collate=collate)
     staleness(query_vecs, stale=old_index, fresh=fresh, k=5)   # 1.0 = nothing changed
+
+(`embed_and_build` = `embed_blocks` + `BlockIndex.build`.) The REALM stage drives these through
+`components.index.realm_refresh.IndexRefresh`.
 
 `AsyncRefresher` runs that build in a background worker every `refresh_every` steps; the
 training loop calls `maybe_start(step, module)` and `poll(step)` once per step and swaps the new
@@ -131,7 +133,7 @@ def embed_blocks(
     return emb, stats
 
 
-def refresh_index(
+def embed_and_build(
     encode_fn: Callable[[Any], torch.Tensor | np.ndarray],
     blocks: Iterable,
     ids: Any,
@@ -143,7 +145,8 @@ def refresh_index(
     progress: bool = False,
     **build_kwargs: Any,
 ) -> tuple[BlockIndex, dict]:
-    """embed_blocks + BlockIndex.build: the usual body of an `AsyncRefresher` build_fn.
+    """embed_blocks + BlockIndex.build: a fresh index of every block, the body of each refresh
+    (an `AsyncRefresher` build_fn).
 
     `ids`: one block id per block, in order (e.g. `dataset["block_id"]`). `build_kwargs` go to
     `build_index` (auto_flat_max, use_gpu, nprobe, ...). Stats: the embed stats plus

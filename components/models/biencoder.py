@@ -43,8 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from components.io import atomic_dir, write_json_atomic
-from components.models.encoder import cls_pool, load_encoder, unwrap  # noqa: F401  (load_encoder: re-exported)
+from components.models.encoder import cls_pool, load_encoder, save_encoder
 
 _NEG = -1e30  # a "minus infinity" that stays finite (no inf - inf = NaN in the softmax or its gradient)
 
@@ -202,36 +201,8 @@ class BiEncoder(nn.Module):
     def save_pretrained(self, out_dir: str | os.PathLike, tokenizer: Any = None, max_seq_length: int | None = None) -> Path:
         """Write an HF folder (safetensors; + tokenizer) loadable with `AutoModel.from_pretrained`,
         and with `SentenceTransformer(out_dir)` as [CLS] pooling + dot product (no Normalize
-        module: the model was trained on raw inner products). Atomic (temp sibling + os.replace)."""
-        encoder = unwrap(self).encoder
-        with atomic_dir(out_dir) as tmp:
-            encoder.save_pretrained(tmp)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            write_sentence_transformers_config(tmp, encoder.config.hidden_size,
-                                               max_seq_length or encoder.config.max_position_embeddings)
-        return Path(out_dir)
-
-
-def write_sentence_transformers_config(folder: str | os.PathLike, hidden_size: int, max_seq_length: int) -> None:
-    """modules.json (Transformer -> Pooling), 1_Pooling/config.json ([CLS] pooling), dot product."""
-    folder = Path(folder)
-    write_json_atomic(folder / "modules.json", [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ])
-    write_json_atomic(folder / "1_Pooling" / "config.json", {
-        "word_embedding_dimension": hidden_size,
-        "pooling_mode_cls_token": True,
-        "pooling_mode_mean_tokens": False,
-        "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": False,
-        "include_prompt": True,
-    })
-    write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
-    write_json_atomic(folder / "config_sentence_transformers.json", {"similarity_fn_name": "dot", "prompts": {}, "default_prompt_name": None})
+        module: the model was trained on raw inner products). Atomic (`encoder.save_encoder`)."""
+        return save_encoder(self, tokenizer, out_dir, sentence_transformers=True, max_seq_length=max_seq_length)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,7 +213,7 @@ def make_encode_fn(
     device: str | torch.device = "cpu",
 ) -> Callable[[Sequence[str], str], np.ndarray]:
     """`encode_fn(texts, side)` -> (N, H) float32, side "query" or "passage" (eval mode, no grad),
-    the interface `finetune_data.mine_dense_negatives` takes."""
+    the interface `components.retrieval.negatives.mine_dense_negatives` takes."""
 
     @torch.no_grad()
     def encode_fn(texts: Sequence[str], side: str) -> np.ndarray:

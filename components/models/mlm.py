@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from components.data.masking import SpecialTokens
-from components.models.retromae import (
-    _predicted_positions, build_encoder, cls_embedding, encode_for_losses, head_token_losses, mlm_head, token_losses,
-)
+from components.data.special_tokens import SpecialTokens
+from components.models.encoder import build_encoder, cls_pool, mlm_head
+from components.models.ops.bert_last_layer import encode_for_losses, predicted_positions
+from components.models.ops.fused_ce import head_token_losses, token_losses
 
 
 class MLMModel(nn.Module):
@@ -36,18 +36,20 @@ class MLMModel(nn.Module):
         self.fast_path = True  # as RetroMAE.fast_path: False = the straightforward computation
 
     @classmethod
-    def from_params(cls, enc: Any, ids: SpecialTokens) -> "MLMModel":
-        """enc: an EncoderParams (the MLM stage shares RetroMAE's encoder section)."""
-        return cls(build_encoder(enc, ids.vocab_size, ids.pad, cls_token_id=ids.cls, sep_token_id=ids.sep, mask_token_id=ids.mask))
+    def from_params(cls, enc: Any, ids: SpecialTokens, pretrained: str | None = None) -> "MLMModel":
+        """enc: an EncoderParams (the MLM stage shares RetroMAE's encoder section); pretrained: a
+        warm start (see `build_encoder`)."""
+        return cls(build_encoder(enc, ids.vocab_size, ids.pad, cls_token_id=ids.cls, sep_token_id=ids.sep,
+                                 mask_token_id=ids.mask, pretrained=pretrained))
 
     def encode_passage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return cls_embedding(self.encoder, input_ids, attention_mask)  # (B, H)
+        return cls_pool(self.encoder, input_ids, attention_mask)  # (B, H)
 
     encode_query = encode_passage
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids, attn, labels = batch["encoder_input_ids"], batch["attention_mask"], batch["encoder_labels"]  # (B, L)
-        pos = _predicted_positions(labels)  # (N,) masked positions
+        pos = predicted_positions(labels)  # (N,) masked positions
         # RetroMAE's encoder side exactly: last layer at the masked positions, head fused with the CE
         _, hidden = encode_for_losses(self.encoder, ids, attn, labels, self.fast_path)  # (N, H)
         head, y = mlm_head(self.encoder), labels.reshape(-1)[pos]  # (N,)

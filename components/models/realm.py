@@ -6,14 +6,16 @@
 
 Pieces (paper names):
 
-* `Retriever`: BERT [CLS] vector -> linear projection to `retriever_dim` (Embed = W_proj BERT_CLS),
-  for both `encode_query` (Embed_input) and `encode_passage` (Embed_doc). Towers shared by default
-  (`share_towers`, the released code's `share_embedders`); untied = two independent copies.
+* `Retriever` (components/models/retriever.py): BERT [CLS] vector -> linear projection to
+  `retriever_dim` (Embed = W_proj BERT_CLS), for both `encode_query` (Embed_input) and
+  `encode_passage` (Embed_doc).
 * `KnowledgeAugmentedEncoder`: BertForMaskedLM over `[CLS] x [SEP] z [SEP]` (token types 0 | 1).
   The `null_document` is an empty z: `[CLS] x [SEP] [SEP]`.
 * `REALM`: scores the K candidates with the *current* retriever (gradients reach both towers,
   paper section 3.4: the stale MIPS index only *selects* the top k), runs the reader once on all
   B*K pairs, and marginalises.
+* `build_model(params, tokenizer, retromae_dir)`: the REALM stage's model (towers per
+  `realm.retriever_init`, the reader from RetroMAE's encoder when there is one).
 
 Top-k retrieval from the FAISS index happens outside the model (components/data/realm_batch.py),
 so the index can be rebuilt asynchronously while training (`refresh_index`); the batch carries the
@@ -35,163 +37,27 @@ Try it (random tiny weights):
 
 from __future__ import annotations
 
-import copy
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModel, BertConfig, BertForMaskedLM, BertModel
+from transformers import BertConfig, BertForMaskedLM
 
 from components.data.special_tokens import IGNORE_INDEX
 from components.io import atomic_dir, write_json_atomic
+from components.models.encoder import load_encoder, load_mlm_encoder
+from components.models.retriever import Retriever
+
+log = logging.getLogger(__name__)
 
 Marginalization = Literal["per_token", "per_sequence"]
 
-RETRIEVER_CONFIG = "retriever_config.json"
 REALM_CONFIG = "realm_config.json"
-
-
-# ----------------------------------------------------------------------------------------------
-# retriever
-# ----------------------------------------------------------------------------------------------
-def _load_encoder(path: str | os.PathLike) -> nn.Module:
-    """An HF encoder folder (e.g. RetroMAE's output) as a bare encoder without the pooler.
-
-    The pooler is never used (REALM embeds the raw [CLS] state); leaving it in would give DDP
-    unused parameters and the optimiser dead weights.
-    """
-    try:
-        return AutoModel.from_pretrained(str(path), add_pooling_layer=False)
-    except TypeError:  # an architecture without that switch
-        enc = AutoModel.from_pretrained(str(path))
-        if getattr(enc, "pooler", None) is not None:
-            enc.pooler = None
-        return enc
-
-
-def _new_projection(hidden: int, dim: int) -> nn.Linear:
-    # Semi-orthogonal init: with dim == hidden it is a rotation, so a RetroMAE [CLS] space keeps its
-    # inner products at step 0 (a cold, random projection would throw away the warm start).
-    proj = nn.Linear(hidden, dim)
-    nn.init.orthogonal_(proj.weight)
-    nn.init.zeros_(proj.bias)
-    return proj
-
-
-class Retriever(nn.Module):
-    """Embed_input / Embed_doc: [CLS] of a BERT encoder, projected to `retriever_dim`; score = inner product.
-
-    `encode_query(input_ids, attention_mask) -> (B, d)`, `encode_passage(...) -> (N, d)`,
-    inputs `[CLS] tokens [SEP] pad...`. With `share_towers` one encoder + projection serves both;
-    `passage_encoder`/`passage_projection` then are aliases, not registered twice (so the state
-    dict and safetensors files hold each tensor once).
-    """
-
-    def __init__(
-        self,
-        query_encoder: nn.Module,
-        query_projection: nn.Linear,
-        passage_encoder: nn.Module | None = None,
-        passage_projection: nn.Linear | None = None,
-    ):
-        super().__init__()
-        if (passage_encoder is None) != (passage_projection is None):
-            raise ValueError("give both passage_encoder and passage_projection (untied) or neither (shared)")
-        self.query_encoder = query_encoder
-        self.query_projection = query_projection
-        self.share_towers = passage_encoder is None
-        if not self.share_towers:
-            self._passage_encoder = passage_encoder
-            self._passage_projection = passage_projection
-
-    # -- construction ----------------------------------------------------------------------------
-    @classmethod
-    def _from_encoder_module(cls, encoder: nn.Module, retriever_dim: int, share_towers: bool) -> "Retriever":
-        proj = _new_projection(encoder.config.hidden_size, retriever_dim)
-        if share_towers:
-            return cls(encoder, proj)
-        # Untied: the document tower starts as an exact copy and then drifts (REALM: share_embedders=False).
-        return cls(encoder, proj, copy.deepcopy(encoder), copy.deepcopy(proj))
-
-    @classmethod
-    def from_config(cls, config: BertConfig, retriever_dim: int = 128, share_towers: bool = True) -> "Retriever":
-        """Random BERT towers (`retriever_init: random`)."""
-        return cls._from_encoder_module(BertModel(config, add_pooling_layer=False), retriever_dim, share_towers)
-
-    @classmethod
-    def from_encoder(cls, path: str | os.PathLike, retriever_dim: int = 128, share_towers: bool = True) -> "Retriever":
-        """Towers from an HF encoder folder (`retriever_init: retromae` / `ict`); fresh projection."""
-        return cls._from_encoder_module(_load_encoder(path), retriever_dim, share_towers)
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "Retriever":
-        """Load what `save_pretrained` wrote."""
-        path = Path(path)
-        cfg = json.loads((path / RETRIEVER_CONFIG).read_text())
-
-        def tower(name: str) -> tuple[nn.Module, nn.Linear]:
-            enc = _load_encoder(path / f"{name}_encoder")
-            proj = nn.Linear(enc.config.hidden_size, cfg["retriever_dim"])
-            proj.load_state_dict(load_file(str(path / f"{name}_projection.safetensors")))
-            return enc, proj
-
-        q_enc, q_proj = tower("query")
-        if cfg["share_towers"]:
-            return cls(q_enc, q_proj)
-        return cls(q_enc, q_proj, *tower("passage"))
-
-    def save_pretrained(self, path: str | os.PathLike) -> Path:
-        """Write `path/` atomically: query_encoder/ (HF folder, safetensors) + query_projection.safetensors,
-        and passage_encoder/ + passage_projection.safetensors when the towers are untied."""
-        with atomic_dir(path) as tmp:
-            self._write(tmp)
-        return Path(path)
-
-    def _write(self, folder: Path) -> None:
-        towers = [("query", self.query_encoder, self.query_projection)]
-        if not self.share_towers:
-            towers.append(("passage", self._passage_encoder, self._passage_projection))
-        for name, enc, proj in towers:
-            enc.save_pretrained(folder / f"{name}_encoder")
-            save_file({k: v.detach().contiguous().cpu() for k, v in proj.state_dict().items()},
-                      str(folder / f"{name}_projection.safetensors"))
-        write_json_atomic(folder / RETRIEVER_CONFIG, {"retriever_dim": self.retriever_dim, "share_towers": self.share_towers})
-
-    # -- towers ------------------------------------------------------------------------------------
-    @property
-    def retriever_dim(self) -> int:
-        return self.query_projection.out_features
-
-    @property
-    def passage_encoder(self) -> nn.Module:
-        return self.query_encoder if self.share_towers else self._passage_encoder
-
-    @property
-    def passage_projection(self) -> nn.Linear:
-        return self.query_projection if self.share_towers else self._passage_projection
-
-    @staticmethod
-    def _embed(encoder: nn.Module, proj: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask,
-                         token_type_ids=torch.zeros_like(input_ids)).last_hidden_state  # (N, L, H)
-        return proj(hidden[:, 0])  # (N, d): projected [CLS]
-
-    def encode_query(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Embed_input(x): (B, L) -> (B, d)."""
-        return self._embed(self.query_encoder, self.query_projection, input_ids, attention_mask)
-
-    def encode_passage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Embed_doc(z): (N, L) -> (N, d)."""
-        return self._embed(self.passage_encoder, self.passage_projection, input_ids, attention_mask)
-
-    def forward(self, query_ids, query_mask, passage_ids, passage_mask) -> torch.Tensor:
-        """Relevance scores (B, N) of every query against every passage (inner products)."""
-        return self.encode_query(query_ids, query_mask) @ self.encode_passage(passage_ids, passage_mask).T
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,8 +106,9 @@ class KnowledgeAugmentedEncoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "KnowledgeAugmentedEncoder":
-        """From an HF BERT folder (RetroMAE/MLM output); a missing MLM head is freshly initialised."""
-        return cls(BertForMaskedLM.from_pretrained(str(path)))
+        """From an HF BERT folder (RetroMAE/MLM output) through the shared loader: missing encoder
+        weights raise, a missing MLM head is built tied to the word embeddings."""
+        return cls(load_mlm_encoder(path))
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         with atomic_dir(path) as tmp:
@@ -306,34 +173,6 @@ class REALM(nn.Module):
         self.marginalization = marginalization
 
     # -- construction / persistence -------------------------------------------------------------
-    @classmethod
-    def from_params(
-        cls,
-        p,  # components.config.RealmParams
-        *,
-        encoder_config: BertConfig | None = None,
-        retriever_path: str | os.PathLike | None = None,
-        reader_path: str | os.PathLike | None = None,
-    ) -> "REALM":
-        """Build from `RealmParams`: towers from `retriever_path` (an HF encoder folder, e.g. RetroMAE's
-        or ICT's output) unless `retriever_init == "random"`; the reader from `reader_path` (REALM
-        initialises it from BERT; here the MLM/RetroMAE checkpoint), else from `encoder_config`."""
-        if p.retriever_init == "random" or retriever_path is None:
-            if p.retriever_init != "random":
-                raise ValueError(f"retriever_init={p.retriever_init} needs retriever_path (an HF encoder folder)")
-            if encoder_config is None:
-                raise ValueError("retriever_init=random needs encoder_config")
-            retriever = Retriever.from_config(encoder_config, p.retriever_dim, p.share_towers)
-        else:
-            retriever = Retriever.from_encoder(retriever_path, p.retriever_dim, p.share_towers)
-        if reader_path is not None:
-            reader = KnowledgeAugmentedEncoder.from_pretrained(reader_path)
-        elif encoder_config is not None:
-            reader = KnowledgeAugmentedEncoder.from_config(encoder_config)
-        else:
-            raise ValueError("give reader_path or encoder_config for the knowledge-augmented encoder")
-        return cls(retriever, reader, p.marginalization)
-
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         """`path/retriever/`, `path/knowledge_augmented_encoder/` (HF folders) and realm_config.json, atomically."""
         with atomic_dir(path) as tmp:
@@ -419,6 +258,57 @@ class REALM(nn.Module):
         # retrieval_utility (released code): how much retrieving helps over the null document alone
         utility = (torch.logsumexp(log_py + log_pz_tok, dim=1) - log_py[:, 0]).mean()
         return {"mlm_acc": acc, "retrieval_entropy": entropy, "p_null": pz[:, 0].mean(), "retrieval_utility": utility}
+
+
+# ----------------------------------------------------------------------------------------------
+# construction for the stage
+# ----------------------------------------------------------------------------------------------
+def _encoder_config(params, tokenizer, retromae_dir: Path) -> BertConfig:
+    """The BERT config for random towers / reader: RetroMAE's when it exists (same architecture), else
+    built from `retromae.encoder` (the project's one encoder spec)."""
+    if (retromae_dir / "config.json").is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(retromae_dir))
+    from components.models.encoder import build_encoder
+
+    return build_encoder(params.retromae.encoder, len(tokenizer), tokenizer.pad_token_id, cls_token_id=tokenizer.cls_token_id,
+                         sep_token_id=tokenizer.sep_token_id, mask_token_id=tokenizer.mask_token_id).config
+
+
+def build_model(params, tokenizer, retromae_dir: Path,
+                warm_up_retriever: Callable[[Retriever], dict] | None = None) -> tuple[REALM, dict]:
+    """REALM for `params` (components.config.Params) -> (model, info for the summary).
+
+    Retriever per `realm.retriever_init`: `retromae` = towers from `retromae_dir`, `ict` / `random`
+    = random towers; for `retromae` and `ict` with `realm.ict_steps`, then `warm_up_retriever(retriever)`
+    (the ICT warm-up, components.training.warmups; its metrics join `info`). It is a callback
+    because it must run between the two inits: the reader's random init draws from the torch RNG
+    after it. The reader starts from `retromae_dir` (masked-LM weights) when it exists, else random."""
+    p = params.realm
+    torch.manual_seed(params.compute.seed)  # same projection/reader init for every variant of a comparison
+    info: dict[str, Any] = {"retriever_init": p.retriever_init}
+    has_retromae = (retromae_dir / "config.json").is_file()
+    if p.retriever_init == "retromae":
+        if not has_retromae:
+            raise FileNotFoundError(f"realm.retriever_init=retromae needs {retromae_dir} (run `dvc repro pretrain_retromae`), "
+                                    "or set realm.retriever_init to ict or random")
+        retriever = Retriever.from_encoder(retromae_dir, p.retriever_dim, p.share_towers)
+    else:
+        retriever = Retriever.from_config(_encoder_config(params, tokenizer, retromae_dir), p.retriever_dim, p.share_towers)
+    if p.retriever_init == "ict" and p.ict_steps == 0:
+        log.warning("realm.retriever_init=ict with realm.ict_steps=0: the retriever stays random")
+    if p.retriever_init in ("ict", "retromae") and p.ict_steps and warm_up_retriever is not None:
+        info.update(warm_up_retriever(retriever))
+    if has_retromae:
+        reader = KnowledgeAugmentedEncoder.from_pretrained(retromae_dir)
+        info["knowledge_augmented_encoder_init"] = "retromae"
+    else:
+        reader = KnowledgeAugmentedEncoder.from_config(_encoder_config(params, tokenizer, retromae_dir))
+        info["knowledge_augmented_encoder_init"] = "random"
+    log.info("REALM: retriever_init=%s, knowledge_augmented_encoder from %s", p.retriever_init,
+             retromae_dir if has_retromae else "a random init (no RetroMAE encoder found)")
+    return REALM(retriever, reader, p.marginalization), info
 
 
 def tiny_bert_config(vocab_size: int = 100, hidden: int = 32, layers: int = 1, heads: int = 2, max_position: int = 128) -> BertConfig:

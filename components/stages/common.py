@@ -17,7 +17,6 @@ from components.paths import CHECKPOINTS, CORPUS
 log = logging.getLogger(__name__)
 
 
-
 def corpus_digest(corpus_dir: str | os.PathLike = CORPUS) -> str:
     card = Path(corpus_dir) / "data_card.json"
     return json.loads(card.read_text())["digest"] if card.exists() else "none"
@@ -51,7 +50,12 @@ def write_stage_metrics(path: str | os.PathLike, metrics: dict) -> None:
 
 
 def torchrun_worker(stage: str, body: Callable[[Params, object], dict]) -> None:
-    """Entry point inside each torchrun process: rank 0 resumes the stage's MLflow run."""
+    """Entry point inside each torchrun process: rank 0 resumes the stage's MLflow run.
+
+    The `with` block flushes rank 0's buffered metrics and ends the run: FINISHED, or FAILED (KILLED
+    on Ctrl-C) when the body raises. The flow that launched torchrun ends the run once more when
+    torchrun returns, so the final status is the flow's.
+    """
     from components.tracking import ENV_RUN, StageRun
     from components.training import distributed as D
 
@@ -59,14 +63,8 @@ def torchrun_worker(stage: str, body: Callable[[Params, object], dict]) -> None:
     params = load_params(os.environ.get("RR_PARAMS", "params.yaml"))
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 and os.environ.get(ENV_RUN):
-        run = StageRun.resume(stage, params)
-        run.__enter__()
-        try:
+        with StageRun.resume(stage, params) as run:
             body(params, run)
-        finally:
-            if run.metrics is not None:
-                run.metrics_lost = run.metrics.close()
-                run.metrics = None
     else:
         body(params, None)
     D.cleanup()

@@ -29,18 +29,18 @@ import datasets
 import torch
 
 from components.config import Params
-from components.data.tokenize import load_tokenizer, split_retrieval_blocks, tokenize_passages
 from components.data.beir import load_beir, read_qa
-from components.retrieval.bm25 import BM25Retriever
+from components.data.tokenize import load_tokenizer, split_retrieval_blocks, tokenize_passages
 from components.eval.dense import HFEncoder, dense_run
 from components.eval.metrics import qa_metrics, retrieval_metrics
 from components.eval.report import results_table, write_report
 from components.io import write_json_atomic, write_jsonl_atomic, write_text_atomic
+from components.paths import (CORPUS, FINETUNE_OUT, INIT_ENCODER, METRICS, MLM_ENCODER, PLOTS, REALM_OUT, RETROMAE_ENCODER,
+                              TOKENS)
+from components.retrieval.bm25 import BM25Retriever
 
 log = logging.getLogger(__name__)
 
-CORPUS, TOKENS, MODELS = Path("data/corpus"), Path("data/tokens"), Path("models")
-OUT, PLOTS = Path("metrics"), Path("plots")
 MAIN_SET = "main"
 
 
@@ -86,17 +86,17 @@ def _encoder_systems(params: Params) -> dict[str, Callable]:
             return enc, enc
         return make
 
-    for name, folder in (("init", MODELS / "retromae/init_encoder"), ("retromae", MODELS / "retromae/encoder"),
-                         ("mlm", MODELS / "mlm/encoder"), ("finetuned", MODELS / "finetune/retriever")):
+    for name, folder in (("init", INIT_ENCODER), ("retromae", RETROMAE_ENCODER), ("mlm", MLM_ENCODER),
+                         ("finetuned", FINETUNE_OUT / "retriever")):
         if (folder / "config.json").exists():
             systems[name] = hf(folder)
     return systems
 
 
 def _realm_retriever():
-    from components.models.realm import Retriever
+    from components.models.retriever import Retriever
 
-    folder = MODELS / "realm/retriever"
+    folder = REALM_OUT / "retriever"
     if not folder.exists():
         return None
     r = Retriever.from_pretrained(folder).eval()
@@ -106,7 +106,7 @@ def _realm_retriever():
 def _realm_index(which: str):
     from components.index.faiss_index import BlockIndex
 
-    folder = MODELS / "realm/index" / which
+    folder = REALM_OUT / "index" / which
     return BlockIndex.load(folder) if folder.exists() else None
 
 
@@ -153,11 +153,11 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
 
 def qa_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> list[dict]:
     """Open-QA with the fine-tuned reader over the final REALM index (when finetune trained one)."""
-    if not es.qa or not es.is_main or not (MODELS / "finetune/open_qa").exists():
+    if not es.qa or not es.is_main or not (FINETUNE_OUT / "open_qa").exists():
         return []  # the reader reads the pre-training corpus's index; extra sets would need their own
-    from components.stages.finetune import OpenQAPredictor
+    from components.eval.open_qa import OpenQAPredictor
 
-    qa = OpenQAPredictor(params, tokenizer)
+    qa = OpenQAPredictor.load(params.finetune, tokenizer)
     golds = {r["id"]: r["answers"] for r in es.qa}
     rows = []
     for system, closed_book in (("realm-reader", False), ("closed-book", True)):
@@ -189,7 +189,7 @@ def training_curves(run) -> dict[str, list[tuple[float, float]]]:
 
 def evaluate(params: Params, run=None) -> dict:
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
-    out_dir = OUT / "eval"
+    out_dir = METRICS / "eval"
     rows: list[dict] = []
     with torch.inference_mode():
         for es in eval_sets(params, tokenizer):
@@ -207,6 +207,6 @@ def evaluate(params: Params, run=None) -> dict:
     table = {}
     for r in rows:
         table.setdefault(r["dataset"], {})[r["system"]] = {k: v for k, v in r.items() if k not in ("dataset", "system")}
-    write_json_atomic(OUT / "eval.json", table)
+    write_json_atomic(METRICS / "eval.json", table)
     print(results_table(rows))
     return {"rows": rows, "table": table}

@@ -4,9 +4,16 @@
     torchrun --standalone --nproc_per_node=2 -m components.stages.pretrain_retromae   # what the flow
                                                                    # launches when compute.nproc=2
 
-Outputs (rank 0): `<out>/encoder/` (HF folder + tokenizer: AutoModel / AutoModelForMaskedLM /
-sentence-transformers with CLS pooling), `<out>/init_encoder/` (the same encoder before
-pre-training, the "init" baseline), `<out>/model_card.md`, and `metrics/<stage>.json`.
+Outputs (rank 0), under `paths.RETROMAE_OUT` / `paths.MLM_OUT`: `encoder/` (HF folder + tokenizer,
+loadable with AutoModel / AutoModelForMaskedLM, read with [CLS] pooling), `init_encoder/` (the same
+encoder before pre-training, the "init" baseline), `model_card.md`; and `paths.stage_metrics(stage)`.
+
+Warm start (`warm_start.path` set): the encoder is loaded from that folder (`retromae.encoder`'s size
+params are ignored, its dropout still applies) and `init_encoder/` is that encoder unchanged. With
+`warm_start.head_warmup_steps`, a first phase trains only the MLM head's transform/bias (and
+RetroMAE's decoder) with the encoder body frozen (`frozen_encoder_body`), on the shared Trainer with
+its own checkpoints (`<checkpoint dir>/head_warmup/`, so a killed run resumes it), logged as
+`head_warmup_*`; then the joint training starts from that head.
 """
 
 from __future__ import annotations
@@ -21,15 +28,16 @@ import torch
 from components.config import Params
 from components.data.masking import MLMCollator, RetroMAECollator, SpecialTokens
 from components.data.tokenize import load_tokenizer
+from components.io import write_text_atomic
+from components.models.encoder import frozen_encoder_body, save_encoder, warm_start_path
 from components.models.mlm import MLMModel
-from components.models.retromae import RetroMAE, save_pretrained_encoder
+from components.models.retromae import RetroMAE
+from components.paths import MLM_OUT, RETROMAE_OUT, TOKENS, stage_metrics
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import Trainer
+from components.training.trainer import TrainResult, Trainer
 
 log = logging.getLogger(__name__)
-
-TOKENS = Path("data/tokens")
 
 
 def _model_card(stage: str, params: Params, result, extra: str = "") -> str:
@@ -38,6 +46,7 @@ def _model_card(stage: str, params: Params, result, extra: str = "") -> str:
         f"# {stage} encoder", "",
         "Trained by retro-realm (`dvc repro " + stage + "`).",
         extra, "",
+        *([f"Warm start: `{params.warm_start.model_dump_json()}`", ""] if params.warm_start.path is not None else []),
         "## Params", "```json", json.dumps(sec.model_dump(mode="json"), indent=2), "```", "",
         "## Final metrics", "```json", json.dumps({k: round(v, 5) for k, v in result.metrics.items()}, indent=2), "```", "",
         "## Load", "```python", "from transformers import AutoModel, AutoTokenizer",
@@ -47,38 +56,76 @@ def _model_card(stage: str, params: Params, result, extra: str = "") -> str:
 
 
 def stage_out(stage: str) -> Path:
-    return Path("models") / ("retromae" if stage == "pretrain_retromae" else "mlm")
+    return RETROMAE_OUT if stage == "pretrain_retromae" else MLM_OUT
+
+
+def _check_vocab(model, tokenizer, warm: str, tokens_dir: Path) -> None:
+    """A warm-started encoder reads ids only through its own tokenizer's vocabulary."""
+    have, want = len(tokenizer), model.encoder.config.vocab_size
+    if have != want:
+        raise ValueError(f"warm_start.path={warm}: the encoder has {want} token ids but {tokens_dir}/tokenizer has {have}; "
+                         "the corpus must be tokenized with the warm start's own tokenizer (re-run the tokenize stage with it)")
+
+
+def head_warmup(model, data, collate, params: Params, out_dir: Path, log_fn=None) -> TrainResult:
+    """Phase 1 of a warm start: `warm_start.head_warmup_steps` steps at `warm_start.head_warmup_lr`
+    (the rest of `retromae.train` for the other knobs) that move only what `frozen_encoder_body`
+    leaves trainable. A random head trained jointly from step 0 sends its noise (and the decoder's)
+    into [CLS]; trained first on a frozen encoder, it starts the joint phase knowing the vocabulary."""
+    ws, train = params.warm_start, params.retromae.train
+    train = train.model_copy(update={"max_steps": ws.head_warmup_steps, "lr": ws.head_warmup_lr,
+                                     "checkpoint_every": max(1, min(train.checkpoint_every, ws.head_warmup_steps))})
+    prefixed = None if log_fn is None else (lambda m, s: log_fn({f"head_warmup_{k}": v for k, v in m.items()}, s))
+    with frozen_encoder_body(model) as trainable:
+        log.info("head warm-up: %d steps at lr %g, encoder body frozen; training %s", train.max_steps, train.lr, ", ".join(trainable))
+        trainer = Trainer(model, data, collate, train, params.compute, out_dir, log_fn=prefixed,
+                          log_every=params.tracking.log_every, param_prefix="warm_start.head_warmup")
+        return trainer.fit()
 
 
 def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKENS) -> dict:
     """RetroMAE (`pretrain_retromae`) or whole-word MLM with the same encoder and compute (`pretrain_mlm`)."""
     out = stage_out(stage)
+    warm = warm_start_path(params)  # before any data is read: a bad warm_start.path fails first
     tokenizer = load_tokenizer(tokens_dir / "tokenizer")
     ids = SpecialTokens.from_tokenizer(tokenizer)
     data = datasets.load_from_disk(str(tokens_dir / "pretrain"))
     torch.manual_seed(params.compute.seed)  # the same init for RetroMAE and MLM: a fair comparison
     sec = params.retromae
     if stage == "pretrain_retromae":
-        model = RetroMAE.from_params(sec, ids)
+        model = RetroMAE.from_params(sec, ids, pretrained=warm)
         collate = RetroMAECollator(ids, sec, seed=params.compute.seed)
     else:
-        model = MLMModel.from_params(sec.encoder, ids)
+        model = MLMModel.from_params(sec.encoder, ids, pretrained=warm)
         collate = MLMCollator(ids, params.mlm.mask_ratio, sec.max_len, seed=params.compute.seed)
+    if warm is not None:
+        _check_vocab(model, tokenizer, warm, tokens_dir)
+        log.info("%s: warm start from %s (retromae.encoder size params ignored)", stage, warm)
     # Join the process group first: before it exists every torchrun rank would call itself rank 0.
     D.init_distributed(params.compute)
     if D.is_rank0():
-        save_pretrained_encoder(model, tokenizer, out / "init_encoder")
-    trainer = Trainer(model, data, collate, sec.train, params.compute, checkpoint_dir(stage, params, ["retromae"] if stage == "pretrain_retromae" else ["retromae", "mlm"]),
-                      log_fn=RankZeroLogger(run), log_every=params.tracking.log_every, param_prefix="retromae.train")
+        save_encoder(model, tokenizer, out / "init_encoder")
+        if warm is not None and hasattr(run, "set_tags"):
+            run.set_tags({"rr.warm_start": warm, "rr.head_warmup_steps": params.warm_start.head_warmup_steps})
+    ckpt_root = checkpoint_dir(stage, params, ["retromae", "warm_start"] if stage == "pretrain_retromae" else ["retromae", "mlm", "warm_start"])
+    log_fn = RankZeroLogger(run)
+    head = {"head_warmup_steps": 0}
+    if params.warm_start.head_warmup_steps:
+        res = head_warmup(model, data, collate, params, ckpt_root / "head_warmup", log_fn)
+        head = {"head_warmup_steps": res.step, "head_warmup_resumed_from": res.resumed_from or 0,
+                "head_warmup_seconds": round(res.elapsed_s, 2), **{f"head_warmup_final_{k}": v for k, v in res.metrics.items()}}
+    trainer = Trainer(model, data, collate, sec.train, params.compute, ckpt_root,
+                      log_fn=log_fn, log_every=params.tracking.log_every, param_prefix="retromae.train")
     result = trainer.fit()
     summary = {"step": result.step, "bad_steps": result.bad_steps, "resumed_from": result.resumed_from or 0,
-               "train_seconds": round(result.elapsed_s, 2), **{f"final_{k}": v for k, v in result.metrics.items()}}
+               "train_seconds": round(result.elapsed_s, 2), **{f"final_{k}": v for k, v in result.metrics.items()},
+               **head, **({"warm_start": warm} if warm is not None else {})}
     if D.is_rank0():
-        save_pretrained_encoder(trainer.raw_model, tokenizer, out / "encoder")
-        (out / "model_card.md").write_text(_model_card(stage, params, result,
-                                                       "RetroMAE: masked auto-encoder with enhanced decoding." if stage == "pretrain_retromae"
-                                                       else "Plain whole-word MLM baseline, same encoder, data and steps as RetroMAE."))
-        write_stage_metrics(Path("metrics") / f"{stage}.json", summary)
+        save_encoder(trainer.raw_model, tokenizer, out / "encoder")
+        write_text_atomic(out / "model_card.md", _model_card(stage, params, result,
+                                                             "RetroMAE: masked auto-encoder with enhanced decoding." if stage == "pretrain_retromae"
+                                                             else "Plain whole-word MLM baseline, same encoder, data and steps as RetroMAE."))
+        write_stage_metrics(stage_metrics(stage), summary)
     D.barrier()
     return summary
 

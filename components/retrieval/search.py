@@ -1,0 +1,73 @@
+"""Dense top-k search for fine-tuning and open-QA: exact inner product, or a frozen block index.
+
+    encode = retriever_encode_fn(retriever, tokenizer, query_len=32)       # (texts, side) -> (N, D)
+    vecs, index = load_block_index(REALM_OUT / "index" / "final", blocks)  # row-aligned with `blocks`
+    qa = retrieve_qa_blocks(encode, qa, k=5, search_fn=index.search)       # + block_rows
+
+An `EncodeFn` maps (texts, "query"|"passage") to float32 vectors (N, D); `biencoder.make_encode_fn`
+and `retriever_encode_fn` build one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+SIDE_QUERY, SIDE_PASSAGE = "query", "passage"
+EncodeFn = Callable[[Sequence[str], str], np.ndarray]  # (texts, "query"|"passage") -> (N, D) float32
+SearchFn = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]  # (queries (Q, D), k) -> (scores, rows)
+
+
+def dense_search(query_vecs: np.ndarray, passage_vecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact inner-product top-k with faiss IndexFlatIP: (scores, rows), each (Q, min(k, N))."""
+    import faiss
+
+    p = np.ascontiguousarray(passage_vecs, dtype=np.float32)
+    q = np.ascontiguousarray(query_vecs, dtype=np.float32)
+    index = faiss.IndexFlatIP(p.shape[1])
+    index.add(p)
+    return index.search(q, min(k, p.shape[0]))
+
+
+def retrieve_qa_blocks(
+    encode_fn: EncodeFn, qa_rows: Sequence[dict], k: int, block_vecs: np.ndarray | None = None,
+    search_fn: SearchFn | None = None,
+) -> list[dict]:
+    """Add `block_rows` (the top-k block rows) to each QA row, searching the frozen block index
+    once with the stage-1 query encoder: `search_fn(q, k) -> (scores, rows)` (e.g.
+    `BlockIndex.search`), or an exact IndexFlatIP over `block_vecs`. Only the *selection* is fixed
+    here; `OpenQA` re-scores the k blocks with the training query tower every step (REALM's
+    stale-index argument), the block vectors themselves never change."""
+    if (block_vecs is None) == (search_fn is None):
+        raise ValueError("give exactly one of block_vecs or search_fn")
+    if not qa_rows:
+        return []
+    q = encode_fn([r["question"] for r in qa_rows], SIDE_QUERY)
+    _, rows = search_fn(q, k) if search_fn is not None else dense_search(q, block_vecs, k)
+    return [{**r, "block_rows": [int(x) for x in rows[i] if x >= 0]} for i, r in enumerate(qa_rows)]
+
+
+def load_block_index(folder: str | os.PathLike, blocks) -> tuple[np.ndarray, object]:
+    """A saved BlockIndex (e.g. REALM's final one) and its vectors (N, D), checked to list the rows
+    of the block table `blocks` in order: the readers look blocks up by index row."""
+    from components.index.faiss_index import BlockIndex
+
+    index = BlockIndex.load(folder)
+    if list(index.ids) != list(blocks["block_id"]):
+        raise ValueError(f"{folder} was built from other blocks than this block table (ids differ or are out of "
+                         "order); rerun the stage that built it (pretrain_realm for REALM's index)")
+    return index.embeddings(), index
+
+
+def retriever_encode_fn(retriever, tokenizer, query_len: int) -> EncodeFn:
+    """An EncodeFn over a retriever's query tower (`encode_query(ids, mask) -> (B, D)`), eval mode,
+    no gradient; questions are cut to `query_len` tokens."""
+    @torch.no_grad()
+    def encode(texts, side=SIDE_QUERY):
+        retriever.eval()
+        t = tokenizer(list(texts), max_length=query_len, truncation=True, padding=True, return_tensors="pt", return_token_type_ids=False)
+        return retriever.encode_query(t["input_ids"], t["attention_mask"]).float().numpy()
+    return encode
