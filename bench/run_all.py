@@ -96,6 +96,17 @@ def summary() -> str:
     return "\n".join(head + rows) + "\n"
 
 
+# Studies too long for the suite: run by hand, findings in docs/experiments/.
+STUDIES = """
+## Studies (run by hand, not by run_all)
+
+| study | script | results | findings |
+|---|---|---|---|
+| warm start from MiniLM: head-alone phase vs naive, RetroMAE vs MLM [CLS] on squad dev | `bench/warm_start.py` | `bench/results/warm_start*.jsonl` | [docs/experiments/warm_start.md](../docs/experiments/warm_start.md) |
+| REALM refresh vs never-refreshed index | `bench/realm_refresh_ablation.py` | `bench/results/realm_ablation.json` | [docs/experiments/realm_refresh_ablation.md](../docs/experiments/realm_refresh_ablation.md) |
+"""
+
+
 def _find(d, key):
     if isinstance(d, dict):
         if key in d and isinstance(d[key], (int, float)):
@@ -117,7 +128,7 @@ def main(argv=None) -> None:
             rc = subprocess.run([sys.executable, *cmd], cwd=ROOT).returncode
             if rc != 0:
                 print(f"  (exit {rc}; its row stays n/a)", flush=True)
-    text = summary()
+    text = summary() + STUDIES
     (ROOT / "bench/README.md").write_text(text)
     print(text)
 

@@ -71,7 +71,10 @@ class WarmStartParams(_Section):
     # gradients (and the decoder's, which reach [CLS] through it) undo what the encoder knows.
     head_warmup_steps: int = Field(0, ge=0, description="steps that train only the MLM head's transform and bias "
                                    "(and RetroMAE's decoder) with the encoder body frozen, before joint training; 0 = none")
-    head_warmup_lr: float = Field(1e-3, gt=0, le=1.0)
+    head_warmup_lr: float = Field(1e-3, gt=0, le=1.0, description="lr of the head-only phase (short warm-up, then constant)")
+    # A fresh head (and RetroMAE's decoder) needs a far higher rate than the pre-trained body can take.
+    head_lr: float | None = Field(None, gt=0, le=1.0, description="joint phase: lr of the MLM head's transform/bias and "
+                                  "RetroMAE's decoder, the body keeping retromae.train.lr (same schedule); null = retromae.train.lr")
 
     @model_validator(mode="after")
     def _check(self) -> "WarmStartParams":
@@ -263,9 +266,19 @@ class RealmParams(_Section):
     train: TrainParams = TrainParams(batch_size=8, lr=3e-5, max_steps=200, checkpoint_every=20)
 
 
+RetrievalStart = Literal["init", "mlm", "retromae", "realm", "pretrained"]
+QASystem = Literal["closed-book", "bm25", "realm", "realm-stale"]
+
+
 class FinetuneParams(_Section):
-    retrieval_init: Literal["retromae", "mlm", "init", "pretrained"] = "retromae"
+    # RetroMAE's question: one recipe from each starting encoder -> models/finetune/retriever/<name>/
+    retrieval_inits: list[RetrievalStart] = Field(default_factory=lambda: ["init", "mlm", "retromae", "realm"],
+                                                  min_length=1, description="encoders to fine-tune from (`realm` = "
+                                                  "REALM's query tower); `pretrained` = retrieval_pretrained_path")
     retrieval_pretrained_path: str | None = None
+    # REALM's question: the same reader recipe over each system's own top-k -> models/finetune/open_qa/<name>/
+    qa_systems: list[QASystem] = Field(default_factory=lambda: ["closed-book", "bm25", "realm", "realm-stale"],
+                                       description="open-QA retrieval systems, each with its own reader")
     temperature: float = Field(1.0, gt=0)
     hard_negatives: int = Field(1, ge=0)
     hard_negative_source: Literal["bm25", "dense"] = "bm25"
@@ -278,6 +291,15 @@ class FinetuneParams(_Section):
     # a tiny encoder trained for tens of steps needs far higher rates than BERT-base's 2e-5 / 1e-5 (paper.yaml)
     train: TrainParams = TrainParams(batch_size=16, lr=1e-3, max_steps=40, checkpoint_every=20)
     qa_train: TrainParams = TrainParams(batch_size=4, lr=5e-4, max_steps=20, checkpoint_every=10)
+
+    @model_validator(mode="after")
+    def _check(self) -> "FinetuneParams":
+        for key, names in (("retrieval_inits", self.retrieval_inits), ("qa_systems", self.qa_systems)):
+            if len(set(names)) != len(names):
+                raise ValueError(f"finetune.{key}={names}: each name at most once (one output folder each)")
+        if "pretrained" in self.retrieval_inits and not self.retrieval_pretrained_path:
+            raise ValueError("finetune.retrieval_inits has `pretrained`: set finetune.retrieval_pretrained_path")
+        return self
 
 
 class EvalSet(_Section):
@@ -292,6 +314,9 @@ class EvaluateParams(_Section):
     query_len: int = Field(32, ge=8)
     passage_len: int = Field(80, ge=8)
     extra_sets: list[EvalSet] = Field(default_factory=list)
+    split: Literal["test", "dev"] = Field("test", description="question split reported; choose settings on dev")
+    # "auto": derived from warm_start.path (null = encoders from scratch: a smoke test); "": no banner
+    banner: str = Field("auto", description="first line of the printed table: auto | a fixed text | empty")
 
 
 class Params(_Section):

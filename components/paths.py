@@ -19,7 +19,9 @@ INIT_ENCODER = RETROMAE_OUT / "init_encoder"   # the encoder before pre-training
 MLM_OUT = MODELS / "mlm"                       # pretrain_mlm: encoder/
 MLM_ENCODER = MLM_OUT / "encoder"
 REALM_OUT = MODELS / "realm"                   # pretrain_realm: retriever/, knowledge_augmented_encoder/, index/
-FINETUNE_OUT = MODELS / "finetune"             # finetune: retriever/, reader/
+FINETUNE_OUT = MODELS / "finetune"             # finetune: retriever/<start>/, open_qa/<system>/
+FINETUNE_RETRIEVERS = FINETUNE_OUT / "retriever"  # one fine-tuned bi-encoder per starting encoder
+FINETUNE_OPEN_QA = FINETUNE_OUT / "open_qa"       # one retriever + reader per open-QA system
 METRICS = Path("metrics")
 PLOTS = Path("plots")
 # Outside DVC's outs, so a killed stage's checkpoints survive `dvc repro` resetting its outputs.

@@ -1,4 +1,4 @@
-"""Stage `finetune`: DPR bi-encoder fine-tuning and the open-QA reader.
+"""Stage `finetune`: a DPR bi-encoder from each starting encoder, and one open-QA reader per retrieval system.
 
     python -m flows.finetune                # what `dvc repro finetune` runs
 """
@@ -16,7 +16,7 @@ from flows._stage import Artifact, Dataset, run_stage
 STAGE = "finetune"
 
 
-@task(cache_policy=NO_CACHE, name="finetune-retriever-and-reader")
+@task(cache_policy=NO_CACHE, name="finetune-retrievers-and-readers")
 def train(params, run) -> dict:
     return run_training(STAGE, "components.stages.finetune", params, run, finetune)
 

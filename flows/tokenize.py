@@ -9,13 +9,14 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from components.data.tokenize import tokenize_corpus
+from components.models.encoder import warm_start_path
 from components.paths import CORPUS, TOKENS
 from flows._stage import Artifact, Dataset, run_stage
 
 
 @task(cache_policy=NO_CACHE)
-def tokenize_and_pack(tok_params, corpus_dir: str, out_dir: str) -> dict:
-    return tokenize_corpus(tok_params, corpus_dir, out_dir)
+def tokenize_and_pack(tok_params, corpus_dir: str, out_dir: str, warm_start: str | None = None) -> dict:
+    return tokenize_corpus(tok_params, corpus_dir, out_dir, warm_start=warm_start)
 
 
 def _metrics(card: dict) -> dict:
@@ -30,7 +31,9 @@ def _report(card: dict) -> str:
 
 @flow(name="tokenize", log_prints=True)
 def tokenize_flow() -> dict:
-    return run_stage("tokenize", ["tokenize"], lambda params, run: tokenize_and_pack(params.tokenize, str(CORPUS), str(TOKENS)),
+    # warm_start.path set: the corpus is tokenized with that encoder's own tokenizer
+    return run_stage("tokenize", ["tokenize", "warm_start"],
+                     lambda params, run: tokenize_and_pack(params.tokenize, str(CORPUS), str(TOKENS), warm_start_path(params)),
                      inputs=[Dataset(CORPUS, "corpus")],
                      outputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks"), Dataset(TOKENS / "blocks", "retrieval_blocks")],
                      metrics=_metrics, report=_report,

@@ -182,7 +182,9 @@ def test_loss_falls_on_a_tiny_overfit_batch(tok, corpus_dir):
     pairs = load_pairs(corpus_dir, "train")
     pairs = [{**r, "negatives": ["d4", "d5", "d6"]} for r in pairs]
     batch = BiEncoderCollator(tok, 16, 24, 1, load_corpus(corpus_dir))(pairs, torch.Generator().manual_seed(0))
-    losses = overfit(model, batch, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    # 60 steps: the session's tokenizer is trained afresh (WordPiece ties break in hash order), and
+    # with some vocabularies 25 steps left one of the four queries still ranked second
+    losses = overfit(model, batch, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=60)
     assert losses[-1] < 0.3 * losses[0], losses
     assert model(batch)["acc"].item() == 1.0
 

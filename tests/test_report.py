@@ -76,3 +76,19 @@ def test_write_plots_only_what_is_given(tmp_path: Path):
     assert set(out) == {"curves_csv", "curves_png"}
     assert not (tmp_path / "recall_at_k.png").exists()
     assert write_plots(tmp_path / "none") == {}
+
+
+def test_report_title_first_then_table_then_comparisons(tmp_path: Path):
+    comps = [{"a": "realm<retromae>", "b": "bm25", "dataset": "synthetic", "metric": "recall_at_20",
+              "delta": 0.1, "p_value": 0.0312, "n": 40, "question": "?"}]
+    out = write_report(tmp_path / "eval", ROWS, title="evaluate.split: dev", comparisons=comps)
+    md = out["markdown"].read_text()
+    assert md.splitlines()[0] == "evaluate.split: dev"
+    assert results_table(ROWS) in md
+    assert md.rstrip().splitlines()[-1] == "| realm<retromae> | bm25 | synthetic | R@20 | +0.100 | 0.031 | 40 |"
+    html = out["html"].read_text()
+    assert "evaluate.split: dev" in html and "realm&lt;retromae&gt;" in html and "0.031" in html
+    with open(out["comparisons_csv"], newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["p_value"] == "0.0312" and row["metric"] == "recall_at_20"
+    assert "comparisons_csv" not in write_report(tmp_path / "plain", ROWS)  # none given, none written

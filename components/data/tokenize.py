@@ -15,6 +15,7 @@ which needs the tokenizer.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from components.data.errors import DataError
 from components.io import atomic_dir, write_json_atomic
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,6 +66,17 @@ def load_tokenizer(path: str | Path):
         if getattr(tok, name) is None:
             raise DataError(path, f"tokenizer has no {name.removesuffix('_id')}", fix="use a BERT-style WordPiece tokenizer")
     return tok
+
+
+def tokenizer_source(p: TokenizeParams, warm_start: str | None = None) -> str:
+    """"train" (a WordPiece trained on the corpus) or the folder / hub name to load one from:
+    the warm start's own tokenizer when there is one, else `tokenize.pretrained_path`."""
+    if warm_start is None:
+        return "train" if p.tokenizer == "train" else str(p.pretrained_path)
+    if p.tokenizer == "train" or p.pretrained_path != warm_start:
+        log.info("tokenize: the warm start's tokenizer (%s) takes precedence over tokenize.tokenizer=%s / pretrained_path=%s",
+                 warm_start, p.tokenizer, p.pretrained_path)
+    return str(warm_start)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,8 +182,13 @@ def split_retrieval_blocks(tokenized, max_len: int) -> dict[str, list]:
     return blocks
 
 
-def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Path) -> dict:
-    """Run the stage body; returns the tokenize card (also written to out_dir)."""
+def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Path,
+                    warm_start: str | None = None) -> dict:
+    """Run the stage body; returns the tokenize card (also written to out_dir).
+
+    `warm_start`: the resolved `warm_start.path` folder (or hub name); its tokenizer is used, over
+    `tokenize.tokenizer` / `pretrained_path`, since the warm-started encoder reads only its own ids.
+    """
     import datasets
 
     corpus_dir = Path(corpus_dir)
@@ -179,10 +197,11 @@ def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Pa
     if len(passages) == 0:
         raise DataError(corpus_dir / "passages.parquet", "corpus is empty", fix="rerun prepare_corpus on a non-empty source")
     t0 = time.perf_counter()
-    if p.tokenizer == "train":
+    source = tokenizer_source(p, warm_start)
+    if source == "train":
         tokenizer = train_wordpiece(passages["text"], p.vocab_size, p.lowercase, p.min_frequency)
     else:
-        tokenizer = load_tokenizer(p.pretrained_path)
+        tokenizer = load_tokenizer(source)
     t_train = time.perf_counter() - t0
     t0 = time.perf_counter()
     tokenized = tokenize_passages(passages, tokenizer, p.num_proc, p.batch_size)
@@ -198,7 +217,8 @@ def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Pa
         datasets.Dataset.from_dict(pretrain).save_to_disk(str(tmp / "pretrain"))
         datasets.Dataset.from_dict(blocks).save_to_disk(str(tmp / "blocks"))
         card = {
-            "tokenizer": p.tokenizer,
+            "tokenizer": p.tokenizer if warm_start is None else "warm_start",
+            "tokenizer_source": source,
             "vocab_size": len(tokenizer),
             "passages": len(passages),
             "tokens": n_tokens,

@@ -37,22 +37,51 @@ def add_specials(seqs: list[list[int]], cls_id: int, sep_id: int, pad_id: int, m
 
 
 class HFEncoder:
-    """An HF encoder folder used as a retriever tower: last-layer [CLS] vector (RetroMAE's pooling)."""
+    """An HF encoder folder used as a retriever tower: last-layer [CLS] vector (RetroMAE's pooling),
+    or, `pooling="mean"`, the mean of the last layer over real tokens (a sentence-transformers
+    model's own mode), L2-normalised when `normalize` (cosine scores)."""
 
-    def __init__(self, model, device: str = "cpu"):
+    def __init__(self, model, device: str = "cpu", pooling: str = "cls", normalize: bool = False):
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"pooling must be cls or mean, got {pooling!r}")
         self.model = model.to(device).eval()
-        self.device = device
+        self.device, self.pooling, self.normalize = device, pooling, normalize
 
     @classmethod
-    def load(cls, folder: str | Path, device: str = "cpu") -> "HFEncoder":
+    def load(cls, folder: str | Path, device: str = "cpu", pooling: str = "cls", normalize: bool = False) -> "HFEncoder":
         # The shared loader: encoder weights missing from the folder raise instead of scoring a
         # randomly initialised tower. An MLM checkpoint's head shows as UNEXPECTED in HF's load
         # report; that is expected ([CLS] pooling never reads the head) and left visible.
-        return cls(load_encoder(folder), device)
+        return cls(load_encoder(folder), device, pooling, normalize)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return cls_pool(self.model, ids.to(self.device), mask.to(self.device))  # (B, H)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        if self.pooling == "cls":
+            out = cls_pool(self.model, ids, mask)  # (B, H)
+        else:
+            body = getattr(self.model, "base_model", self.model)
+            hidden = body(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids)).last_hidden_state  # (B, L, H)
+            m = mask[:, :, None].to(hidden.dtype)  # (B, L, 1)
+            out = (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)  # (B, H)
+        return torch.nn.functional.normalize(out.float(), dim=-1) if self.normalize else out
+
+
+def sentence_transformers_mode(folder: str | Path) -> tuple[str, bool]:
+    """(pooling, normalize) a sentence-transformers folder declares (modules.json, 1_Pooling): how
+    the model was trained to be used. A plain HF folder: mean pooling, unnormalised."""
+    import json
+
+    folder = Path(folder)
+    modules = json.loads((folder / "modules.json").read_text()) if (folder / "modules.json").exists() else []
+    pooling, normalize = "mean", False
+    for m in modules:
+        kind = str(m.get("type", ""))
+        if kind.endswith("Pooling") and (folder / m.get("path", "") / "config.json").exists():
+            cfg = json.loads((folder / m["path"] / "config.json").read_text())
+            pooling = "cls" if cfg.get("pooling_mode_cls_token") else "mean"
+        normalize = normalize or kind.endswith("Normalize")
+    return pooling, normalize
 
 
 def encode_token_rows(encode: EncodeFn, rows: list[list[int]], tokenizer, max_len: int, batch_size: int, desc: str) -> tuple[np.ndarray, dict]:

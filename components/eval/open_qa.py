@@ -1,9 +1,14 @@
-"""Open-QA inference for the evaluate stage: the fine-tuned retriever + reader over REALM's final index.
+"""Open-QA inference for the evaluate stage: a fine-tuned reader over its system's own top k.
 
-    qa = OpenQAPredictor.load(params.finetune, tokenizer)       # models/finetune/open_qa + models/realm/index/final
-    preds = qa.predict_all([(qid, question), ...])              # {qid: answer}
-    floor = qa.predict_all(questions, closed_book=True)         # the null document only
+    qa = OpenQAPredictor.for_system("realm", params.finetune, tokenizer)   # models/finetune/open_qa/realm + REALM's final index
+    preds = qa.predict_all([(qid, question), ...])                         # {qid: answer}
+    floor = qa.predict_all(questions, closed_book=True)                    # the null document only
 
+The systems (`finetune.qa_systems`), each with the reader its finetune run trained over the same
+selection of blocks:
+  realm        the fine-tuned query tower over REALM's final (refreshed) index
+  realm-stale  the fine-tuned query tower over REALM's first index, never refreshed
+  bm25         BM25 over the block texts; no query tower, uniform p(z|x) over the top k
 It joins the reader (models) with a frozen block index (index) and the block selection
 (retrieval), so it lives in eval, the lowest layer that may use all three.
 """
@@ -11,6 +16,7 @@ It joins the reader (models) with a frozen block index (index) and the block sel
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import datasets
 import torch
@@ -18,43 +24,62 @@ import torch
 from components.data.qa_batch import QACollator
 from components.data.special_tokens import NULL_ROW
 from components.models.reader import OpenQA
-from components.paths import FINETUNE_OUT, REALM_OUT, TOKENS
-from components.retrieval.search import load_block_index, retrieve_qa_blocks, retriever_encode_fn
+from components.paths import FINETUNE_OPEN_QA, REALM_OUT, TOKENS
+from components.retrieval.search import (QA_SYSTEM_INDEX, bm25_over_blocks, bm25_qa_blocks, load_block_index,
+                                         retrieve_qa_blocks, retriever_encode_fn)
+
+OPEN_QA_OUT = FINETUNE_OPEN_QA
 
 
 class OpenQAPredictor:
-    """Answer questions with a trained `OpenQA` over a frozen block index, `batch_size` at a time.
+    """Answer questions with a trained `OpenQA` over a frozen block selection, `batch_size` at a time.
 
     `ft`: a FinetuneParams (query_len, passage_len, qa_top_k, max_answer_tokens: the lengths of
-    training); `blocks`: the block table the index rows point into; `block_vecs` (N, D) its vectors;
-    `index`: anything with `search(q, k) -> (scores, rows)`.
+    training); `blocks`: the block table the index rows point into; `block_vecs` (N, D) its vectors
+    (None for BM25); `index`: anything with `search(q, k) -> (scores, rows)`, or None for BM25 top-k
+    over the block texts (`bm25`: a fitted `bm25_over_blocks`, built here when not given).
     """
 
-    def __init__(self, model: OpenQA, ft, tokenizer, blocks, block_vecs, index, batch_size: int = 8):
+    def __init__(self, model: OpenQA, ft, tokenizer, blocks, block_vecs, index, batch_size: int = 8, bm25=None):
         self.model, self.ft, self.tokenizer, self.batch_size = model.eval(), ft, tokenizer, batch_size
         self.blocks, self.vecs, self.index = blocks, block_vecs, index
+        if index is None and bm25 is None:
+            bm25 = bm25_over_blocks(list(blocks["text"]) if hasattr(blocks, "column_names") else [b["text"] for b in blocks])
+        self.bm25 = bm25
         self.collate = QACollator.from_params(tokenizer, blocks, block_vecs, ft)
 
     @classmethod
-    def load(cls, ft, tokenizer, model_dir: str | os.PathLike = FINETUNE_OUT / "open_qa",
-             blocks_dir: str | os.PathLike = TOKENS / "blocks", index_dir: str | os.PathLike = REALM_OUT / "index" / "final",
-             batch_size: int = 8) -> "OpenQAPredictor":
-        """From the DAG's folders: the finetune stage's open_qa model, the tokenize stage's
-        blocks and pretrain_realm's final index (checked to be row-aligned with the blocks)."""
-        blocks = datasets.load_from_disk(str(blocks_dir))
-        vecs, index = load_block_index(index_dir, blocks)
-        return cls(OpenQA.from_pretrained(model_dir), ft, tokenizer, blocks, vecs, index, batch_size)
+    def load(cls, ft, tokenizer, model_dir: str | os.PathLike = OPEN_QA_OUT / "realm",
+             blocks_dir: str | os.PathLike = TOKENS / "blocks", index_dir: str | os.PathLike | None = REALM_OUT / "index" / "final",
+             batch_size: int = 8, blocks=None, bm25=None) -> "OpenQAPredictor":
+        """From the DAG's folders: a finetune open_qa model, the tokenize stage's blocks and a
+        pretrain_realm index (checked to be row-aligned with the blocks); `index_dir=None`: BM25."""
+        blocks = blocks if blocks is not None else datasets.load_from_disk(str(blocks_dir))
+        vecs, index = load_block_index(index_dir, blocks) if index_dir is not None else (None, None)
+        return cls(OpenQA.from_pretrained(model_dir), ft, tokenizer, blocks, vecs, index, batch_size, bm25=bm25)
+
+    @classmethod
+    def for_system(cls, system: str, ft, tokenizer, open_qa_dir: str | os.PathLike = OPEN_QA_OUT, blocks=None,
+                   bm25=None, batch_size: int = 8) -> "OpenQAPredictor":
+        """The reader `finetune` trained for `system` (a key of QA_SYSTEM_INDEX), over the same selection."""
+        which = QA_SYSTEM_INDEX[system]
+        index_dir = None if which is None else REALM_OUT / "index" / which
+        return cls.load(ft, tokenizer, Path(open_qa_dir) / system, index_dir=index_dir, blocks=blocks, bm25=bm25,
+                        batch_size=batch_size)
+
+    def select(self, rows: list[dict]) -> list[dict]:
+        """Rows + `block_rows`: the top k of this system's retrieval."""
+        if self.index is None:
+            return bm25_qa_blocks(rows, self.ft.qa_top_k, bm25=self.bm25)
+        encode = retriever_encode_fn(self.model.retriever, self.tokenizer, self.ft.query_len)
+        return retrieve_qa_blocks(encode, rows, self.ft.qa_top_k, search_fn=self.index.search)
 
     @torch.no_grad()
     def predict_all(self, questions: list[tuple[str, str]], closed_book: bool = False) -> dict[str, str]:
         """[(id, question)] -> {id: answer}; `closed_book`: the null document only, the floor
         that shows what retrieval adds."""
-        encode = retriever_encode_fn(self.model.retriever, self.tokenizer, self.ft.query_len)
         rows = [{"id": i, "question": q, "answers": []} for i, q in questions]
-        if closed_book:
-            rows = [{**r, "block_rows": [NULL_ROW]} for r in rows]
-        else:
-            rows = retrieve_qa_blocks(encode, rows, self.ft.qa_top_k, search_fn=self.index.search)
+        rows = [{**r, "block_rows": [NULL_ROW]} for r in rows] if closed_book else self.select(rows)
         preds = {}
         for i in range(0, len(rows), self.batch_size):
             chunk = rows[i : i + self.batch_size]

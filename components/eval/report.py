@@ -2,7 +2,8 @@
 
     from components.eval.report import write_report
     rows = [{"system": "bm25", "dataset": "synthetic", **retrieval_metrics(qrels, run)}, ...]
-    write_report("reports/eval", rows, curves={"retromae loss": [(1, 7.1), (2, 6.8)], ...})
+    write_report("reports/eval", rows, curves={"retromae loss": [(1, 7.1), (2, 6.8)], ...},
+                 title="split: test", comparisons=[{"a", "b", "dataset", "metric", "delta", "p_value", "n"}, ...])
 
 A row is a dict with `system`, `dataset` and any of the metric keys `metrics.py` produces
 (`ndcg_at_10`, `mrr_at_10`, `recall_at_{k}`, `em`, `f1`); missing metrics print as "-", extra
@@ -84,6 +85,43 @@ def results_table(rows: Sequence[Mapping], fmt: str = "markdown", digits: int = 
             for line in body)
         return f'<table class="results">\n<thead><tr>{th}</tr></thead>\n<tbody>\n{trs}</tbody>\n</table>\n'
     raise ValueError(f"fmt must be 'markdown' or 'html', got {fmt!r}")
+
+
+_METRIC_NAMES = {"ndcg_at_10": "nDCG@10", "mrr_at_10": "MRR@10", "em": "EM", "f1": "F1"}
+
+
+def _metric_name(key: str) -> str:
+    m = _RECALL.match(key)
+    return f"R@{m.group(1)}" if m else _METRIC_NAMES.get(key, key)
+
+
+def comparisons_table(comparisons: Sequence[Mapping], fmt: str = "markdown", digits: int = 3) -> str:
+    """The paired comparisons (`comparisons.run_comparisons`): A, B, metric, delta = mean(A - B),
+    the two-sided p-value of the paired randomisation test, and the queries compared."""
+    header = ["A", "B", "Dataset", "Metric", "Delta (A-B)", "p", "n"]
+    body = [[str(c["a"]), str(c["b"]), str(c["dataset"]), _metric_name(str(c["metric"])),
+             f"{float(c['delta']):+.{digits}f}", f"{float(c['p_value']):.{digits}f}", str(c["n"])] for c in comparisons]
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(header) + " |", "|---|---|---|---|---:|---:|---:|"]
+        lines += ["| " + " | ".join(t.replace("|", "\\|") for t in line) + " |" for line in body]
+        return "\n".join(lines) + "\n"
+    if fmt == "html":
+        th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        trs = "".join("<tr>" + "".join(f"<td>{html.escape(t)}</td>" for t in line) + "</tr>\n" for line in body)
+        return f'<table class="results">\n<thead><tr>{th}</tr></thead>\n<tbody>\n{trs}</tbody>\n</table>\n'
+    raise ValueError(f"fmt must be 'markdown' or 'html', got {fmt!r}")
+
+
+def report_markdown(rows: Sequence[Mapping], title: str | None = None, comparisons: Sequence[Mapping] = (),
+                    digits: int = 3) -> str:
+    """The whole Markdown report: `title` as its first line (what was evaluated: split, preset),
+    the results table, and the paired comparisons."""
+    parts = [f"{title}\n"] if title else []
+    parts.append(results_table(rows, "markdown", digits))
+    if comparisons:
+        parts.append("Paired comparisons (randomisation test over queries; delta = mean(A - B), two-sided p):\n")
+        parts.append(comparisons_table(comparisons, "markdown", digits))
+    return "\n".join(parts)
 
 
 def recall_by_system(rows: Sequence[Mapping]) -> dict[str, dict[int, float]]:
@@ -187,20 +225,31 @@ def write_report(
     rows: Sequence[Mapping],
     curves: Mapping[str, Sequence[tuple[float, float]]] | None = None,
     digits: int = 3,
+    title: str | None = None,
+    comparisons: Sequence[Mapping] = (),
 ) -> dict[str, Path]:
-    """results.md, results.html, and the plots/CSVs of `write_plots` (recall taken from `rows`)."""
+    """results.md (`report_markdown`), results.html, comparisons.csv (when there are comparisons),
+    and the plots/CSVs of `write_plots` (recall taken from `rows`)."""
     out_dir = Path(out_dir)
+    body = results_table(rows, "html", digits)
+    if comparisons:
+        body += "<p>Paired comparisons (randomisation test over queries):</p>\n" + comparisons_table(comparisons, "html", digits)
     written = {
-        "markdown": write_text_atomic(out_dir / "results.md", results_table(rows, "markdown", digits)),
-        "html": write_text_atomic(out_dir / "results.html", _html_page(results_table(rows, "html", digits))),
+        "markdown": write_text_atomic(out_dir / "results.md", report_markdown(rows, title, comparisons, digits)),
+        "html": write_text_atomic(out_dir / "results.html", _html_page(body, title)),
     }
+    if comparisons:
+        keys = ("dataset", "a", "b", "metric", "delta", "p_value", "n", "question")
+        written["comparisons_csv"] = write_text_atomic(out_dir / "comparisons.csv",
+                                                       _csv(keys, [[c.get(k) for k in keys] for c in comparisons]))
     written.update(write_plots(out_dir, recall_by_system(rows), curves))
     return written
 
 
-def _html_page(table: str) -> str:
+def _html_page(table: str, title: str | None = None) -> str:
+    heading = f"<p><b>{html.escape(title)}</b></p>\n" if title else ""
     return ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>retro-realm results</title>\n"
             "<style>table.results{border-collapse:collapse;font-family:sans-serif}"
             "th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
             "td:nth-child(-n+2),th:nth-child(-n+2){text-align:left}</style></head>\n"
-            f"<body>\n{table}</body></html>\n")
+            f"<body>\n{heading}{table}</body></html>\n")

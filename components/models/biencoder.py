@@ -153,7 +153,7 @@ class BiEncoder(nn.Module):
 
     @classmethod
     def from_config(cls, config: Any, **kwargs) -> "BiEncoder":
-        """A randomly initialised BERT (`finetune.retrieval_init: init`; tests)."""
+        """A randomly initialised BERT (tests)."""
         from transformers import BertModel
 
         return cls(BertModel(config, add_pooling_layer=False), **kwargs)
@@ -203,6 +203,19 @@ class BiEncoder(nn.Module):
         and with `SentenceTransformer(out_dir)` as [CLS] pooling + dot product (no Normalize
         module: the model was trained on raw inner products). Atomic (`encoder.save_encoder`)."""
         return save_encoder(self, tokenizer, out_dir, sentence_transformers=True, max_seq_length=max_seq_length)
+
+
+def weights_digest(module: nn.Module) -> str:
+    """sha256 over a module's state dict (names, dtypes, shapes, bytes) in name order: the identity
+    of a set of weights, e.g. to record which encoder a fine-tuning run started from."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ Warm starts (`warm_start.path`): `resolve_pretrained` turns the spec (a folder, 
 `package:<python_package>/<subfolder>`) into what `from_pretrained` reads; `warm_start_path(params)`
 is that, or None when every encoder is built from config. Both loaders also take a `package:` spec.
 `frozen_encoder_body(model)` freezes everything but the MLM head's transform/bias (and whatever the
-wrapper adds, e.g. RetroMAE's decoder), for a head-only phase before joint training.
+wrapper adds, e.g. RetroMAE's decoder), for a head-only phase before joint training;
+`head_param_names(model)` names those same parameters (the joint phase's `warm_start.head_lr` group).
 
 Shapes: B batch, L sequence length, H hidden.
 """
@@ -259,6 +260,14 @@ def _init_mlm_head(model: nn.Module, missing: list[str]) -> None:
 def encoder_body(model: nn.Module) -> nn.Module:
     """The encoder body (embeddings + layers, no MLM head) of a wrapper or a *ForMaskedLM."""
     return _encoder_of(model).base_model
+
+
+def head_param_names(model: nn.Module) -> list[str]:
+    """Names (in `model.named_parameters()`) of what is not the encoder body: the MLM head's
+    transform and bias, and what the wrapper adds (RetroMAE's decoder). The output layer is tied to
+    the word embeddings, so it counts as body."""
+    body = {id(p) for p in encoder_body(model).parameters()}
+    return [n for n, p in unwrap(model).named_parameters() if id(p) not in body]
 
 
 @contextlib.contextmanager

@@ -11,6 +11,10 @@ Pieces (paper names):
   top k happens outside with the frozen block index; the batch carries the k block embeddings
   e_z, and the model recomputes the scores E_q(x) . e_z, so the query tower gets gradients and the
   block embeddings never do (ORQA: the evidence-block encoder is frozen, the question encoder trains).
+  `None` for a system without a dense query tower (BM25 top-k): its batches carry no block
+  embeddings, so p(z | x) is uniform over the top k and the reader's span scores alone rank the
+  answers (the BM25 + reader pipeline; BM25's raw scores are unbounded, and as logits they would
+  need a temperature that nothing here could learn).
 * `reader`: a BERT over `[CLS] x [SEP] z [SEP]` (token types 0 | 1) with start/end logits
   (`SpanReader`, an HF *ForQuestionAnswering). Spans lie inside z only, are at most
   `max_answer_tokens` tokens long and never cut a word (a WordPiece continuation piece neither
@@ -147,7 +151,7 @@ class OpenQA(nn.Module):
     answer_in_block (B, K).
     """
 
-    def __init__(self, retriever: nn.Module, reader: SpanReader, max_answer_tokens: int = 10):
+    def __init__(self, retriever: nn.Module | None, reader: SpanReader, max_answer_tokens: int = 10):
         super().__init__()
         if max_answer_tokens < 1:
             raise ValueError(f"max_answer_tokens must be >= 1, got {max_answer_tokens}")
@@ -164,7 +168,7 @@ class OpenQA(nn.Module):
         """log p(z | x) (B, K): the query tower re-scores the retrieved blocks' frozen embeddings."""
         cand = batch["candidate_mask"]  # (B, K)
         emb = batch.get("block_embeddings")
-        if emb is None:  # no index scores: every retrieved block equally likely
+        if emb is None or self.retriever is None:  # no index scores: every retrieved block equally likely
             scores = torch.zeros(cand.shape, device=cand.device)
         else:
             q = self.retriever.encode_query(batch["query_input_ids"], batch["query_attention_mask"]).float()  # (B, D)
@@ -258,7 +262,9 @@ class OpenQA(nn.Module):
         with atomic_dir(out_dir) as tmp:
             from components.models.biencoder import BiEncoder
 
-            if isinstance(model.retriever, BiEncoder):
+            if model.retriever is None:
+                pass  # a sparse (BM25) system: nothing to save
+            elif isinstance(model.retriever, BiEncoder):
                 model.retriever.save_pretrained(tmp / "retriever", tokenizer)
             else:  # e.g. a REALM Retriever: its own layout, no tokenizer argument
                 model.retriever.save_pretrained(tmp / "retriever")
@@ -266,14 +272,16 @@ class OpenQA(nn.Module):
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "reader")
             write_json_atomic(tmp / OPENQA_CONFIG, {"max_answer_tokens": model.max_answer_tokens,
-                                                    "retriever_type": type(model.retriever).__name__})
+                                                    "retriever_type": type(model.retriever).__name__ if model.retriever is not None else None})
         return Path(out_dir)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "OpenQA":
         path = Path(path)
         cfg = json.loads((path / OPENQA_CONFIG).read_text())
-        if cfg.get("retriever_type") == "Retriever":  # a REALM retriever (projection + maybe untied towers)
+        if "retriever_type" in cfg and cfg["retriever_type"] is None:
+            retriever = None  # a sparse (BM25) system
+        elif cfg.get("retriever_type") == "Retriever":  # a REALM retriever (projection + maybe untied towers)
             from components.models.retriever import Retriever
 
             retriever = Retriever.from_pretrained(path / "retriever")

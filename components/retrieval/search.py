@@ -1,8 +1,9 @@
-"""Dense top-k search for fine-tuning and open-QA: exact inner product, or a frozen block index.
+"""Top-k block search for fine-tuning and open-QA: exact inner product, a frozen block index, or BM25.
 
     encode = retriever_encode_fn(retriever, tokenizer, query_len=32)       # (texts, side) -> (N, D)
     vecs, index = load_block_index(REALM_OUT / "index" / "final", blocks)  # row-aligned with `blocks`
     qa = retrieve_qa_blocks(encode, qa, k=5, search_fn=index.search)       # + block_rows
+    qa = bm25_qa_blocks(qa, k=5, block_texts=blocks["text"])               # the sparse system: + block_rows
 
 An `EncodeFn` maps (texts, "query"|"passage") to float32 vectors (N, D); `biencoder.make_encode_fn`
 and `retriever_encode_fn` build one.
@@ -17,6 +18,9 @@ import numpy as np
 import torch
 
 SIDE_QUERY, SIDE_PASSAGE = "query", "passage"
+# open-QA system (`finetune.qa_systems`) -> the REALM index version its top k comes from; None = BM25
+# (no index: the block texts). `closed-book` retrieves nothing.
+QA_SYSTEM_INDEX = {"bm25": None, "realm": "final", "realm-stale": "first"}
 EncodeFn = Callable[[Sequence[str], str], np.ndarray]  # (texts, "query"|"passage") -> (N, D) float32
 SearchFn = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]  # (queries (Q, D), k) -> (scores, rows)
 
@@ -48,6 +52,26 @@ def retrieve_qa_blocks(
     q = encode_fn([r["question"] for r in qa_rows], SIDE_QUERY)
     _, rows = search_fn(q, k) if search_fn is not None else dense_search(q, block_vecs, k)
     return [{**r, "block_rows": [int(x) for x in rows[i] if x >= 0]} for i, r in enumerate(qa_rows)]
+
+
+def bm25_qa_blocks(qa_rows: Sequence[dict], k: int, block_texts: Sequence[str] | None = None, bm25=None) -> list[dict]:
+    """Add `block_rows` (the BM25 top-k block rows) to each QA row: the sparse system of open QA
+    (the BM25 + reader baseline). Give the block table's texts (fitted here) or a `BM25Retriever`
+    already fitted on them with the row numbers as doc ids (`bm25_over_blocks`)."""
+    if (block_texts is None) == (bm25 is None):
+        raise ValueError("give exactly one of block_texts or bm25")
+    if not qa_rows:
+        return []
+    bm25 = bm25 if bm25 is not None else bm25_over_blocks(block_texts)
+    ids, _ = bm25.retrieve([r["question"] for r in qa_rows], k)
+    return [{**r, "block_rows": [int(x) for x in ids[i]]} for i, r in enumerate(qa_rows)]
+
+
+def bm25_over_blocks(block_texts: Sequence[str]):
+    """A BM25Retriever over the block table, its doc ids the row numbers ("0", "1", ...)."""
+    from components.retrieval.bm25 import BM25Retriever
+
+    return BM25Retriever().fit([str(i) for i in range(len(block_texts))], list(block_texts))
 
 
 def load_block_index(folder: str | os.PathLike, blocks) -> tuple[np.ndarray, object]:

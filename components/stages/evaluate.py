@@ -1,24 +1,27 @@
-"""Stage body of `evaluate`: every system on the same test data, one table.
+"""Stage body of `evaluate`: every system on the same questions (`evaluate.split`), one table, and
+the papers' comparisons with paired p-values.
 
     python -m flows.evaluate
 
-Rows per evaluation set (the pipeline's own test split, plus `evaluate.extra_sets`):
+Rows per evaluation set (the pipeline's own `evaluate.split` split, plus `evaluate.extra_sets`):
   bm25              BM25 (bm25s) over the passages
+  warm-start:mean   the off-the-shelf warm-start encoder (`warm_start.path`) in its own mode (mean
+                    pooling, normalised as its sentence-transformers folder says): a reference
   init              the encoder before any pre-training (models/retromae/init_encoder)
   retromae          RetroMAE-pretrained encoder, zero-shot
   mlm               plain-MLM-pretrained encoder, same compute (skipped when mlm.enabled is false)
-  finetuned         the DPR-fine-tuned bi-encoder (models/finetune/retriever)
   realm             REALM retriever with its final index
   realm-stale       REALM retriever against the first index version (never refreshed)
-  realm-reader      open-QA: REALM retriever + fine-tuned reader (EM/F1)
-  closed-book       the reader with the null document only (EM/F1): what retrieval adds
-Outputs: metrics/eval.json (dvc metrics), metrics/eval/<set>/<system>.jsonl (per query),
-metrics/eval/results.{md,html} + PNGs, plots/recall_at_k.csv (dvc plots).
+  ft:<start>        the bi-encoder fine-tuned with one recipe from each start (models/finetune/retriever/<start>)
+  qa:<system>       open-QA EM/F1, one reader per system trained with one recipe (models/finetune/open_qa/<system>):
+                    qa:closed-book (null document only), qa:bm25, qa:realm (final index), qa:realm-stale
+Outputs: metrics/eval.json (dvc metrics: {set: {system: metrics}}, `split`, `comparisons`),
+metrics/eval/<set>/<system>.jsonl (per query; `:` -> `_` in file names), metrics/eval/results.{md,html},
+comparisons.csv + PNGs, plots/recall_at_k.csv (dvc plots).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,23 +34,29 @@ import torch
 from components.config import Params
 from components.data.beir import load_beir, read_qa
 from components.data.tokenize import load_tokenizer, split_retrieval_blocks, tokenize_passages
-from components.eval.dense import HFEncoder, dense_run
-from components.eval.metrics import qa_metrics, retrieval_metrics
-from components.eval.report import results_table, write_report
+from components.eval.comparisons import paper_comparisons, per_query_path, run_comparisons
+from components.eval.dense import HFEncoder, dense_run, sentence_transformers_mode
+from components.eval.metrics import exact_match, f1, qa_metrics, retrieval_metrics
+from components.eval.report import report_markdown, write_report
 from components.io import write_json_atomic, write_jsonl_atomic, write_text_atomic
-from components.paths import (CORPUS, FINETUNE_OUT, INIT_ENCODER, METRICS, MLM_ENCODER, PLOTS, REALM_OUT, RETROMAE_ENCODER,
+from components.models.encoder import warm_start_path
+from components.paths import (CORPUS, FINETUNE_RETRIEVERS, INIT_ENCODER, METRICS, MLM_ENCODER, PLOTS, REALM_OUT, RETROMAE_ENCODER,
                               TOKENS)
 from components.retrieval.bm25 import BM25Retriever
 
 log = logging.getLogger(__name__)
 
 MAIN_SET = "main"
+FINETUNED = FINETUNE_RETRIEVERS
+FT_ORDER = ("init", "mlm", "retromae", "realm", "pretrained")  # ft:* rows in this order, then any others by name
+# realm.retriever_init -> the zero-shot row REALM's retriever starts from (ict / random: random towers, no row)
+REALM_START_ROW = {"retromae": "retromae"}
 
 
 @dataclass
 class EvalSet:
     name: str
-    beir: object  # BeirData (corpus, queries, qrels) for the test split, or None
+    beir: object  # BeirData (corpus, queries, qrels) for the evaluated split, or None
     blocks: datasets.Dataset | None
     qa: list[dict] = field(default_factory=list)
     is_main: bool = False
@@ -61,35 +70,46 @@ def _blocks_for_corpus(corpus: dict, tokenizer, block_len: int) -> datasets.Data
 
 
 def eval_sets(params: Params, tokenizer) -> list[EvalSet]:
+    split = params.evaluate.split
     sets = []
-    main_qa = CORPUS / "qa/test.jsonl"
-    main_beir = load_beir(CORPUS / "beir", "test") if (CORPUS / "beir/qrels/test.tsv").stat().st_size > len("query-id\tcorpus-id\tscore\n") else None
+    main_qa = CORPUS / f"qa/{split}.jsonl"
+    qrels = CORPUS / f"beir/qrels/{split}.tsv"
+    main_beir = load_beir(CORPUS / "beir", split) if qrels.stat().st_size > len("query-id\tcorpus-id\tscore\n") else None
     sets.append(EvalSet(MAIN_SET, main_beir, datasets.load_from_disk(str(TOKENS / "blocks")),
                         read_qa(main_qa) if main_qa.exists() and main_qa.stat().st_size else [], is_main=True))
     for extra in params.evaluate.extra_sets:
-        beir = load_beir(extra.beir_path, "test") if extra.beir_path else None
+        beir = load_beir(extra.beir_path, split) if extra.beir_path else None
         blocks = _blocks_for_corpus(beir.corpus, tokenizer, params.tokenize.retrieval_block_len) if beir else None
         sets.append(EvalSet(extra.name, beir, blocks, read_qa(extra.qa_path) if extra.qa_path else []))
     return sets
 
 
+def title_line(params: Params) -> str:
+    """The report's first line: which split it reports and, with `evaluate.banner: auto` and no
+    warm start (encoders trained from scratch), that the run is a smoke test."""
+    ev = params.evaluate
+    banner = ev.banner
+    if banner == "auto":
+        world = " on a synthetic world" if params.data.source == "synthetic" else ""
+        banner = ("" if params.warm_start.path is not None else
+                  f"tiny preset: a smoke test{world}, encoders trained from scratch (warm_start.path: null); "
+                  "see README for the `small` run")
+    return f"{banner} | evaluate.split: {ev.split}" if banner else f"evaluate.split: {ev.split}"
+
+
 # ----------------------------------------------------------------------------------------------
 # systems
 # ----------------------------------------------------------------------------------------------
-def _encoder_systems(params: Params) -> dict[str, Callable]:
-    """name -> factory of (encode_query, encode_passage); only systems whose model exists."""
-    systems: dict[str, Callable] = {}
+def finetuned_starts(folder: Path = FINETUNED) -> list[str]:
+    """The starts `finetune` wrote a bi-encoder for (models/finetune/retriever/<start>/), in table order."""
+    found = [p.name for p in folder.iterdir() if (p / "config.json").exists()] if folder.is_dir() else []
+    return sorted(found, key=lambda n: (FT_ORDER.index(n) if n in FT_ORDER else len(FT_ORDER), n))
 
-    def hf(folder: Path):
-        def make():
-            enc = HFEncoder.load(folder)
-            return enc, enc
-        return make
 
-    for name, folder in (("init", INIT_ENCODER), ("retromae", RETROMAE_ENCODER), ("mlm", MLM_ENCODER),
-                         ("finetuned", FINETUNE_OUT / "retriever")):
-        if (folder / "config.json").exists():
-            systems[name] = hf(folder)
+def _encoder_systems() -> dict[str, Path]:
+    """name -> encoder folder ([CLS] pooling, the pipeline's tokenizer); only systems whose model exists."""
+    systems = {name: folder for name, folder in (("init", INIT_ENCODER), ("retromae", RETROMAE_ENCODER), ("mlm", MLM_ENCODER))
+               if (folder / "config.json").exists()}
     return systems
 
 
@@ -110,8 +130,21 @@ def _realm_index(which: str):
     return BlockIndex.load(folder) if folder.exists() else None
 
 
-def _per_query(path: Path, metrics: dict) -> None:
-    write_jsonl_atomic(path, [{"qid": q, **v} for q, v in sorted(metrics.get("per_query", {}).items())])
+def _warm_start_system(params: Params, blocks):
+    """(row name, encoder, its own tokenizer, the blocks re-tokenised with it), or None without a
+    warm start. The reference row reads text the way the off-the-shelf model was trained to."""
+    spec = warm_start_path(params)
+    if spec is None or blocks is None or "text" not in blocks.column_names:
+        return None
+    from transformers import AutoTokenizer
+
+    from components.eval.dense import tokenize_texts
+
+    pooling, normalize = sentence_transformers_mode(spec) if Path(spec).is_dir() else ("mean", False)
+    tok = AutoTokenizer.from_pretrained(spec)
+    own = {"input_ids": tokenize_texts(tok, list(blocks["text"])), "block_id": list(blocks["block_id"]),
+           "doc_id": list(blocks["doc_id"])}
+    return f"warm-start:{pooling}", HFEncoder.load(spec, pooling=pooling, normalize=normalize), tok, own
 
 
 def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> list[dict]:
@@ -119,24 +152,31 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
     k = max(ev.recall_at)
     rows: list[dict] = []
     qrels, queries = es.beir.qrels, es.beir.queries
+    dense_kw = dict(k=k, query_len=ev.query_len, passage_len=ev.passage_len, batch_size=ev.batch_size)
 
     def add(system: str, run: dict, seconds: float) -> None:
         m = retrieval_metrics(qrels, run, ev.recall_at)
-        _per_query(out_dir / es.name / f"{system}.jsonl", m)
+        write_jsonl_atomic(per_query_path(out_dir, es.name, system), [{"qid": q, **v} for q, v in sorted(m["per_query"].items())])
         rows.append({"system": system, "dataset": es.name, "seconds": round(seconds, 2),
                      **{key: v for key, v in m.items() if key != "per_query"}})
-        log.info("%-12s %-10s nDCG@10=%.3f R@%d=%.3f (%.1fs)", es.name, system, m["ndcg_at_10"], k, m[f"recall_at_{k}"], seconds)
+        log.info("%-12s %-14s nDCG@10=%.3f R@%d=%.3f (%.1fs)", es.name, system, m["ndcg_at_10"], k, m[f"recall_at_{k}"], seconds)
+
+    def add_dense(system: str, eq: Callable, ep: Callable, tok=tokenizer, blocks=None, index=None) -> None:
+        t0 = time.perf_counter()
+        run, _ = dense_run(eq, ep, es.blocks if blocks is None else blocks, queries, tok, index=index, **dense_kw)
+        add(system, run, time.perf_counter() - t0)
 
     t0 = time.perf_counter()
     bm25 = BM25Retriever().fit(list(es.beir.corpus), [f"{c['title']} {c['text']}" for c in es.beir.corpus.values()])
     add("bm25", bm25.run(queries, k), time.perf_counter() - t0)
 
-    dense_kw = dict(k=k, query_len=ev.query_len, passage_len=ev.passage_len, batch_size=ev.batch_size)
-    for name, make in _encoder_systems(params).items():
-        t0 = time.perf_counter()
-        eq, ep = make()
-        run, _ = dense_run(eq, ep, es.blocks, queries, tokenizer, **dense_kw)
-        add(name, run, time.perf_counter() - t0)
+    warm = _warm_start_system(params, es.blocks)
+    if warm is not None:
+        name, enc, tok, own_blocks = warm
+        add_dense(name, enc, enc, tok, own_blocks)
+    for name, folder in _encoder_systems().items():
+        enc = HFEncoder.load(folder)
+        add_dense(name, enc, enc)
 
     realm = _realm_retriever()
     if realm is not None:
@@ -145,30 +185,51 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
             index = _realm_index(which) if es.is_main else None
             if index is None and not es.is_main and system == "realm-stale":
                 continue  # the stale index only exists for the pre-training corpus
-            t0 = time.perf_counter()
-            run, _ = dense_run(eq, ep, es.blocks, queries, tokenizer, index=index, **dense_kw)
-            add(system, run, time.perf_counter() - t0)
+            add_dense(system, eq, ep, index=index)
+
+    for start in finetuned_starts():
+        enc = HFEncoder.load(FINETUNED / start)
+        add_dense(f"ft:{start}", enc, enc)
     return rows
 
 
 def qa_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> list[dict]:
-    """Open-QA with the fine-tuned reader over the final REALM index (when finetune trained one)."""
-    if not es.qa or not es.is_main or not (FINETUNE_OUT / "open_qa").exists():
-        return []  # the reader reads the pre-training corpus's index; extra sets would need their own
-    from components.eval.open_qa import OpenQAPredictor
+    """Open-QA EM/F1 of every `finetune.qa_systems` entry whose reader finetune trained, each over
+    its own top k; closed-book reads the null document only (an extractive reader answers "")."""
+    from components.eval.open_qa import OPEN_QA_OUT, OpenQAPredictor
 
-    qa = OpenQAPredictor.load(params.finetune, tokenizer)
+    if not es.qa or not es.is_main:
+        return []  # the readers read the pre-training corpus's blocks; extra sets would need their own
+    systems = params.finetune.qa_systems
+    trained = [s for s in systems if s != "closed-book" and (OPEN_QA_OUT / s / "openqa_config.json").exists()]
     golds = {r["id"]: r["answers"] for r in es.qa}
-    rows = []
-    for system, closed_book in (("realm-reader", False), ("closed-book", True)):
-        t0 = time.perf_counter()
-        preds = qa.predict_all([(r["id"], r["question"]) for r in es.qa], closed_book=closed_book)
+    questions = [(r["id"], r["question"]) for r in es.qa]
+    results: dict[str, dict] = {}
+
+    def add(system: str, preds: dict[str, str], seconds: float) -> None:
         m = qa_metrics(preds, golds)
-        write_jsonl_atomic(out_dir / es.name / f"{system}.jsonl",
-                           [{"id": i, "prediction": preds.get(i, ""), "answers": golds[i]} for i in golds])
-        rows.append({"system": system, "dataset": es.name, "seconds": round(time.perf_counter() - t0, 2),
-                     "em": m["em"], "f1": m["f1"], "n_questions": m["n"]})
-    return rows
+        write_jsonl_atomic(per_query_path(out_dir, es.name, f"qa:{system}"),
+                           [{"qid": i, "prediction": preds.get(i, ""), "answers": golds[i],
+                             "em": exact_match(preds[i], golds[i]) if i in preds else 0.0,
+                             "f1": f1(preds[i], golds[i]) if i in preds else 0.0} for i in golds])
+        results[system] = {"system": f"qa:{system}", "dataset": es.name, "seconds": round(seconds, 2),
+                           "em": m["em"], "f1": m["f1"], "n_questions": m["n"]}
+        log.info("%-12s %-14s EM=%.3f F1=%.3f (%.1fs)", es.name, f"qa:{system}", m["em"], m["f1"], seconds)
+
+    bm25 = None
+    for system in trained:
+        t0 = time.perf_counter()
+        if system == "bm25":
+            from components.retrieval.search import bm25_over_blocks
+
+            bm25 = bm25_over_blocks(list(es.blocks["text"]))
+        qa = OpenQAPredictor.for_system(system, params.finetune, tokenizer, blocks=es.blocks, bm25=bm25)
+        add(system, qa.predict_all(questions), time.perf_counter() - t0)
+        if "closed-book" in systems and "closed-book" not in results:
+            t0 = time.perf_counter()  # any trained reader: with no block there is no span to answer
+            add("closed-book", qa.predict_all(questions, closed_book=True), time.perf_counter() - t0)
+        del qa
+    return [results[s] for s in systems if s in results]
 
 
 def training_curves(run) -> dict[str, list[tuple[float, float]]]:
@@ -191,22 +252,27 @@ def evaluate(params: Params, run=None) -> dict:
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
     out_dir = METRICS / "eval"
     rows: list[dict] = []
+    comparisons: list[dict] = []
+    paper = paper_comparisons(REALM_START_ROW.get(params.realm.retriever_init))
     with torch.inference_mode():
         for es in eval_sets(params, tokenizer):
             if es.beir is not None and es.beir.queries:
                 rows += retrieval_rows(params, es, tokenizer, out_dir)
             rows += qa_rows(params, es, tokenizer, out_dir)
+            comparisons += run_comparisons(out_dir, es.name, paper)
     if not rows:
-        raise RuntimeError("nothing to evaluate: the test split has no questions (data/corpus/beir/qrels/test.tsv is empty) "
-                           "and evaluate.extra_sets is empty; use a source with questions or add an extra set")
-    curves = training_curves(run)
-    write_report(out_dir, rows, curves)
+        split = params.evaluate.split
+        raise RuntimeError(f"nothing to evaluate: the {split} split has no questions (data/corpus/beir/qrels/{split}.tsv is "
+                           "empty) and evaluate.extra_sets is empty; use a source with questions or add an extra set")
+    title = title_line(params)
+    write_report(out_dir, rows, training_curves(run), title=title, comparisons=comparisons)
     recall_csv = out_dir / "recall_at_k.csv"
     if recall_csv.exists():
         write_text_atomic(PLOTS / "recall_at_k.csv", recall_csv.read_text())
-    table = {}
+    table: dict = {}
     for r in rows:
         table.setdefault(r["dataset"], {})[r["system"]] = {k: v for k, v in r.items() if k not in ("dataset", "system")}
-    write_json_atomic(METRICS / "eval.json", table)
-    print(results_table(rows))
-    return {"rows": rows, "table": table}
+    write_json_atomic(METRICS / "eval.json", {**table, "split": params.evaluate.split, "comparisons": comparisons})
+    report = report_markdown(rows, title, comparisons)
+    print(report)
+    return {"rows": rows, "table": table, "comparisons": comparisons, "report": report}

@@ -1,12 +1,26 @@
-"""Stage body of `finetune`: the DPR bi-encoder (RetroMAE's recipe) and the open-QA reader (REALM/ORQA).
+"""Stage body of `finetune`: the DPR bi-encoder from each starting encoder (RetroMAE's question) and
+one open-QA reader per retrieval system (REALM's question), each with one recipe.
 
     python -m flows.finetune
     torchrun --standalone --nproc_per_node=2 -m components.stages.finetune   # compute.nproc=2
 
 Outputs (rank 0):
-  models/finetune/retriever/   the fine-tuned bi-encoder (HF + sentence-transformers, [CLS] pooling)
-  models/finetune/open_qa/     REALM query tower + span reader (`OpenQA.from_pretrained`)
+  models/finetune/retriever/<start>/   one bi-encoder per `finetune.retrieval_inits` (HF + sentence-
+                                       transformers, [CLS] pooling): init, mlm, retromae, realm, pretrained
+  models/finetune/open_qa/<system>/    one retriever + span reader per trained `finetune.qa_systems`
+                                       entry (`OpenQA.from_pretrained`): bm25, realm, realm-stale
   metrics/finetune.json
+
+Same recipe, same data: every bi-encoder run gets the same pairs, hard-negative pools (BM25's are
+mined once), `finetune.train` and seed, so the trainer draws the same batches in the same order;
+only the starting weights differ (their sha256 is recorded per run). `realm` starts from REALM's
+query tower (`models/realm/retriever/query_encoder`): its BERT, without the projection to
+`realm.retriever_dim`, so that all four runs train the same architecture ([CLS], shared towers,
+dot product) and the comparison is about the starting weights alone.
+
+Every reader starts from the same encoder (`reader_init_folder`), with `finetune.qa_train` and the
+same seed, over its own system's top `qa_top_k` blocks. `closed-book` trains nothing: with the
+null document alone an extractive reader has no span to learn or to answer (evaluate scores it).
 """
 
 from __future__ import annotations
@@ -19,22 +33,29 @@ import datasets
 from components.config import Params
 from components.data.finetune_data import BiEncoderCollator, load_corpus, load_pairs, load_qa
 from components.data.tokenize import load_tokenizer
-from components.models.biencoder import BiEncoder, make_encode_fn
-from components.paths import (CORPUS, FINETUNE_OUT, INIT_ENCODER, MLM_ENCODER, REALM_OUT, RETROMAE_ENCODER, TOKENS,
-                              stage_metrics)
+from components.models.biencoder import BiEncoder, make_encode_fn, weights_digest
+from components.models.encoder import resolve_pretrained
+from components.paths import (CORPUS, FINETUNE_OPEN_QA, FINETUNE_OUT, FINETUNE_RETRIEVERS, INIT_ENCODER, MLM_ENCODER,
+                              REALM_OUT, RETROMAE_ENCODER, TOKENS, stage_metrics)
 from components.retrieval.negatives import mine_bm25_negatives, mine_dense_negatives
-from components.retrieval.search import load_block_index, retrieve_qa_blocks, retriever_encode_fn
+from components.retrieval.search import QA_SYSTEM_INDEX, bm25_qa_blocks, load_block_index, retrieve_qa_blocks, retriever_encode_fn
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
 from components.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
-INIT_FOLDERS = {"retromae": RETROMAE_ENCODER, "mlm": MLM_ENCODER, "init": INIT_ENCODER}
+RETRIEVER_OUT = FINETUNE_RETRIEVERS
+OPEN_QA_OUT = FINETUNE_OPEN_QA
+REALM_QUERY_TOWER = REALM_OUT / "retriever" / "query_encoder"
+START_FOLDERS = {"init": INIT_ENCODER, "mlm": MLM_ENCODER, "retromae": RETROMAE_ENCODER, "realm": REALM_QUERY_TOWER}
+# the params sections that decide a start's weights: a change there starts a fresh checkpoint folder
+_START_SECTIONS = {"init": ["retromae"], "mlm": ["retromae", "mlm"], "retromae": ["retromae"],
+                   "realm": ["retromae", "realm"], "pretrained": []}
 
 
 class _Prefixed(RankZeroLogger):
-    """Two trainings share the stage's MLflow run: prefix their metric names."""
+    """Several trainings share the stage's MLflow run: prefix their metric names."""
 
     def __init__(self, run, prefix: str):
         super().__init__(run)
@@ -44,46 +65,66 @@ class _Prefixed(RankZeroLogger):
         super().__call__({f"{self.prefix}.{k}": v for k, v in metrics.items()}, step)
 
 
-def retrieval_init_folder(params: Params) -> Path:
-    ft = params.finetune
-    folder = Path(ft.retrieval_pretrained_path) if ft.retrieval_init == "pretrained" else INIT_FOLDERS[ft.retrieval_init]
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"finetune.retrieval_init={ft.retrieval_init}: no encoder at {folder} "
-                                f"(run its stage first, or pick another finetune.retrieval_init)")
-    return folder
+def retrieval_start_folder(params: Params, name: str) -> Path | str:
+    """The encoder folder (or hub name) the `ft:<name>` run starts from."""
+    if name == "pretrained":
+        return resolve_pretrained(params.finetune.retrieval_pretrained_path, key="finetune.retrieval_pretrained_path")
+    return START_FOLDERS[name]
+
+
+def _available(folder: Path | str) -> bool:
+    return not isinstance(folder, Path) or (folder / "config.json").exists()
 
 
 # ----------------------------------------------------------------------------------------------
-# dense retrieval (DPR)
+# dense retrieval (DPR), once per starting encoder
 # ----------------------------------------------------------------------------------------------
-def finetune_retriever(params: Params, run, tokenizer) -> dict:
+def finetune_retrievers(params: Params, run, tokenizer) -> dict:
     ft = params.finetune
     pairs = load_pairs(CORPUS, "train")
     if not pairs:
         log.warning("no training questions in %s: skipping retrieval fine-tuning", CORPUS / "beir/qrels/train.tsv")
         return {"retrieval_trained": 0}
-    init = retrieval_init_folder(params)
+    starts = {name: retrieval_start_folder(params, name) for name in ft.retrieval_inits}
+    missing = [f"{n} ({f})" for n, f in starts.items() if not _available(f)]
+    starts = {n: f for n, f in starts.items() if _available(f)}
+    if missing:
+        log.warning("finetune.retrieval_inits: no encoder for %s (its stage did not run); fine-tuning the others", missing)
+    if not starts:
+        raise FileNotFoundError(f"finetune.retrieval_inits={ft.retrieval_inits}: none of their encoders exists "
+                                f"({', '.join(missing)}); run their stages first, or pick others")
     corpus = load_corpus(CORPUS)
-    model = BiEncoder.from_params(init, ft)
+    bm25_rows = mine_bm25_negatives(pairs, corpus) if ft.hard_negatives and ft.hard_negative_source == "bm25" else None
+    summary: dict = {"retrieval_pairs": len(pairs), "retrieval_inits": ",".join(starts), "retrieval_skipped": ",".join(missing)}
+    for name, folder in starts.items():
+        summary.update(_finetune_one(params, run, tokenizer, name, folder, pairs, corpus, bm25_rows))
+    return summary
+
+
+def _finetune_one(params: Params, run, tokenizer, name: str, folder, pairs, corpus, bm25_rows) -> dict:
+    ft = params.finetune
+    model = BiEncoder.from_params(folder, ft)
+    start_sha = weights_digest(model.encoder)
     if ft.hard_negatives == 0:
         rows = [{**p, "negatives": []} for p in pairs]
-    elif ft.hard_negative_source == "bm25":
-        rows = mine_bm25_negatives(pairs, corpus)
-    else:  # the two-stage recipe: negatives from the stage-1 encoder's own index
+    elif bm25_rows is not None:
+        rows = bm25_rows
+    else:  # the two-stage recipe: negatives from this start's own index
         rows = mine_dense_negatives(make_encode_fn(model, tokenizer, ft.query_len, ft.passage_len), pairs, corpus)
     collate = BiEncoderCollator.from_params(tokenizer, ft, corpus)
-    trainer = Trainer(model, rows, collate, ft.train, params.compute, checkpoint_dir("finetune_retrieval", params, ["finetune", "retromae"]),
-                      log_fn=_Prefixed(run, "retrieval"), log_every=params.tracking.log_every, param_prefix="finetune.train")
+    ckpt = checkpoint_dir(f"finetune_retrieval_{name}", params, ["finetune", "warm_start", *_START_SECTIONS[name]])
+    trainer = Trainer(model, rows, collate, ft.train, params.compute, ckpt, log_fn=_Prefixed(run, f"retrieval.{name}"),
+                      log_every=params.tracking.log_every, param_prefix="finetune.train")
     result = trainer.fit()
     if D.is_rank0():
-        trainer.raw_model.save_pretrained(FINETUNE_OUT / "retriever", tokenizer, max_seq_length=ft.passage_len)
-    log.info("retrieval fine-tuning from %s: %s", init, result.metrics)
-    return {"retrieval_init": ft.retrieval_init, "retrieval_pairs": len(rows), "retrieval_steps": result.step,
-            **{f"retrieval_final_{k}": v for k, v in result.metrics.items()}}
+        trainer.raw_model.save_pretrained(RETRIEVER_OUT / name, tokenizer, max_seq_length=ft.passage_len)
+    log.info("retrieval fine-tuning ft:%s from %s: %s", name, folder, result.metrics)
+    return {f"retrieval.{name}.start": str(folder), f"retrieval.{name}.start_sha256": start_sha,
+            f"retrieval.{name}.steps": result.step, **{f"retrieval.{name}.final_{k}": v for k, v in result.metrics.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
-# open-QA (REALM retriever + reader)
+# open-QA: one reader per retrieval system
 # ----------------------------------------------------------------------------------------------
 def reader_init_folder() -> Path:
     """REALM fine-tunes its reader from the knowledge-augmented encoder; fall back to RetroMAE."""
@@ -93,35 +134,68 @@ def reader_init_folder() -> Path:
     raise FileNotFoundError(f"no encoder to start the reader from ({REALM_OUT / 'knowledge_augmented_encoder'} or {RETROMAE_ENCODER})")
 
 
-def finetune_reader(params: Params, run, tokenizer) -> dict:
+def qa_selection(system: str, ft, tokenizer, blocks, qa: list[dict]):
+    """(rows + block_rows, block vectors or None, query tower or None) for one QA system: the top k
+    its finetune reader trains on. Dense systems search a frozen REALM index with REALM's query
+    tower; BM25 has neither (uniform p(z|x) over its top k)."""
     from components.models.retriever import Retriever
+
+    if system == "bm25":
+        return bm25_qa_blocks(qa, ft.qa_top_k, block_texts=list(blocks["text"])), None, None
+    vecs, index = load_block_index(REALM_OUT / "index" / QA_SYSTEM_INDEX[system], blocks)  # frozen: the selection of the top k
+    retriever = Retriever.from_pretrained(REALM_OUT / "retriever")
+    rows = retrieve_qa_blocks(retriever_encode_fn(retriever, tokenizer, ft.query_len), qa, ft.qa_top_k, search_fn=index.search)
+    return rows, vecs, retriever
+
+
+def _qa_inputs_exist(system: str) -> bool:
+    if system == "bm25":
+        return True
+    return (REALM_OUT / "retriever").exists() and (REALM_OUT / "index" / QA_SYSTEM_INDEX[system]).exists()
+
+
+def finetune_readers(params: Params, run, tokenizer) -> dict:
+    ft = params.finetune
+    qa = load_qa(CORPUS, "train")
+    systems = [s for s in ft.qa_systems if s != "closed-book"]  # closed-book: nothing to train (module docstring)
+    if not ft.qa_enabled or not qa or not systems:
+        log.warning("open-QA fine-tuning skipped (finetune.qa_enabled=%s, %d training questions, systems %s)",
+                    ft.qa_enabled, len(qa), systems)
+        return {"qa_trained": 0}
+    blocks = datasets.load_from_disk(str(TOKENS / "blocks"))
+    summary: dict = {"qa_questions": len(qa)}
+    trained = []
+    for system in systems:
+        if not _qa_inputs_exist(system):
+            log.warning("open-QA system %s skipped: no REALM retriever / index under %s", system, REALM_OUT)
+            continue
+        trained.append(system)
+        summary.update(_finetune_reader(params, run, tokenizer, system, blocks, qa))
+    return {**summary, "qa_systems": ",".join(trained)}
+
+
+def _finetune_reader(params: Params, run, tokenizer, system: str, blocks, qa: list[dict]) -> dict:
     from components.data.qa_batch import QACollator
     from components.models.reader import OpenQA, SpanReader
 
     ft = params.finetune
-    qa = load_qa(CORPUS, "train")
-    if not ft.qa_enabled or not qa or not (REALM_OUT / "retriever").exists():
-        log.warning("open-QA fine-tuning skipped (finetune.qa_enabled=%s, %d training questions)", ft.qa_enabled, len(qa))
-        return {"qa_trained": 0}
-    blocks = datasets.load_from_disk(str(TOKENS / "blocks"))
-    vecs, index = load_block_index(REALM_OUT / "index" / "final", blocks)  # frozen: the selection of the top k
-    retriever = Retriever.from_pretrained(REALM_OUT / "retriever")
-    rows = retrieve_qa_blocks(retriever_encode_fn(retriever, tokenizer, ft.query_len), qa, ft.qa_top_k, search_fn=index.search)
+    rows, vecs, retriever = qa_selection(system, ft, tokenizer, blocks, qa)
     model = OpenQA(retriever, SpanReader.from_pretrained(reader_init_folder()), ft.max_answer_tokens)
     collate = QACollator.from_params(tokenizer, blocks, vecs, ft)
-    trainer = Trainer(model, rows, collate, ft.qa_train, params.compute, checkpoint_dir("finetune_qa", params, ["finetune", "realm"]),
-                      log_fn=_Prefixed(run, "qa"), log_every=params.tracking.log_every, param_prefix="finetune.qa_train",
+    ckpt = checkpoint_dir(f"finetune_qa_{system}", params, ["finetune", "warm_start", "realm"])
+    trainer = Trainer(model, rows, collate, ft.qa_train, params.compute, ckpt, log_fn=_Prefixed(run, f"qa.{system}"),
+                      log_every=params.tracking.log_every, param_prefix="finetune.qa_train",
                       # a batch without block_embeddings (uniform p(z|x)) never runs the query tower
                       find_unused_parameters=True)
     result = trainer.fit()
     if D.is_rank0():
-        trainer.raw_model.save_pretrained(FINETUNE_OUT / "open_qa", tokenizer)
-    return {"qa_questions": len(rows), "qa_steps": result.step, **{f"qa_final_{k}": v for k, v in result.metrics.items()}}
+        trainer.raw_model.save_pretrained(OPEN_QA_OUT / system, tokenizer)
+    return {f"qa.{system}.steps": result.step, **{f"qa.{system}.final_{k}": v for k, v in result.metrics.items()}}
 
 
 def finetune(params: Params, run=None) -> dict:
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
-    summary = {**finetune_retriever(params, run, tokenizer), **finetune_reader(params, run, tokenizer)}
+    summary = {**finetune_retrievers(params, run, tokenizer), **finetune_readers(params, run, tokenizer)}
     if D.is_rank0():
         FINETUNE_OUT.mkdir(parents=True, exist_ok=True)
         write_stage_metrics(stage_metrics("finetune"), summary)

@@ -13,7 +13,8 @@ params are ignored, its dropout still applies) and `init_encoder/` is that encod
 `warm_start.head_warmup_steps`, a first phase trains only the MLM head's transform/bias (and
 RetroMAE's decoder) with the encoder body frozen (`frozen_encoder_body`), on the shared Trainer with
 its own checkpoints (`<checkpoint dir>/head_warmup/`, so a killed run resumes it), logged as
-`head_warmup_*`; then the joint training starts from that head.
+`head_warmup_*`; then the joint training starts from that head. `warm_start.head_lr` gives the
+head and decoder their own (higher) lr in the joint phase, the body keeping `retromae.train.lr`.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from components.config import Params
 from components.data.masking import MLMCollator, RetroMAECollator, SpecialTokens
 from components.data.tokenize import load_tokenizer
 from components.io import write_text_atomic
-from components.models.encoder import frozen_encoder_body, save_encoder, warm_start_path
+from components.models.encoder import frozen_encoder_body, head_param_names, save_encoder, warm_start_path
 from components.models.mlm import MLMModel
 from components.models.retromae import RetroMAE
 from components.paths import MLM_OUT, RETROMAE_OUT, TOKENS, stage_metrics
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import TrainResult, Trainer
+from components.training.trainer import LrGroup, TrainResult, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ def head_warmup(model, data, collate, params: Params, out_dir: Path, log_fn=None
     """Phase 1 of a warm start: `warm_start.head_warmup_steps` steps at `warm_start.head_warmup_lr`
     (the rest of `retromae.train` for the other knobs) that move only what `frozen_encoder_body`
     leaves trainable. A random head trained jointly from step 0 sends its noise (and the decoder's)
-    into [CLS]; trained first on a frozen encoder, it starts the joint phase knowing the vocabulary."""
+    into [CLS]; trained first on a frozen encoder, it starts the joint phase knowing the vocabulary.
+    Schedule: retromae.train.warmup_ratio of warm-up, then constant (the phase hands over to the
+    joint one, whose own schedule starts again from a warm-up)."""
     ws, train = params.warm_start, params.retromae.train
     train = train.model_copy(update={"max_steps": ws.head_warmup_steps, "lr": ws.head_warmup_lr,
                                      "checkpoint_every": max(1, min(train.checkpoint_every, ws.head_warmup_steps))})
@@ -79,8 +82,19 @@ def head_warmup(model, data, collate, params: Params, out_dir: Path, log_fn=None
     with frozen_encoder_body(model) as trainable:
         log.info("head warm-up: %d steps at lr %g, encoder body frozen; training %s", train.max_steps, train.lr, ", ".join(trainable))
         trainer = Trainer(model, data, collate, train, params.compute, out_dir, log_fn=prefixed,
-                          log_every=params.tracking.log_every, param_prefix="warm_start.head_warmup")
+                          log_every=params.tracking.log_every, param_prefix="warm_start.head_warmup", schedule="constant")
         return trainer.fit()
+
+
+def head_lr_groups(model, params: Params) -> list[LrGroup]:
+    """The joint phase's `warm_start.head_lr` group (MLM head transform/bias + RetroMAE's decoder);
+    none when it is null: every parameter at retromae.train.lr."""
+    lr = params.warm_start.head_lr
+    if lr is None:
+        return []
+    names = set(head_param_names(model))
+    log.info("joint phase: head + decoder (%d tensors) at lr %g, encoder body at %g", len(names), lr, params.retromae.train.lr)
+    return [LrGroup("head", names.__contains__, lr)]
 
 
 def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKENS) -> dict:
@@ -115,7 +129,8 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
         head = {"head_warmup_steps": res.step, "head_warmup_resumed_from": res.resumed_from or 0,
                 "head_warmup_seconds": round(res.elapsed_s, 2), **{f"head_warmup_final_{k}": v for k, v in res.metrics.items()}}
     trainer = Trainer(model, data, collate, sec.train, params.compute, ckpt_root,
-                      log_fn=log_fn, log_every=params.tracking.log_every, param_prefix="retromae.train")
+                      log_fn=log_fn, log_every=params.tracking.log_every, param_prefix="retromae.train",
+                      lr_groups=head_lr_groups(model, params))
     result = trainer.fit()
     summary = {"step": result.step, "bad_steps": result.bad_steps, "resumed_from": result.resumed_from or 0,
                "train_seconds": round(result.elapsed_s, 2), **{f"final_{k}": v for k, v in result.metrics.items()},

@@ -115,8 +115,12 @@ def warmup_steps(train: TrainParams) -> int:
     return int(train.warmup_ratio * train.max_steps)
 
 
-def lr_at(step: int, train: TrainParams) -> float:
-    """LR for the optimiser step with 0-based index `step`: linear warmup, then linear decay to 0.
+SCHEDULES = ("linear", "constant")
+
+
+def lr_at(step: int, train: TrainParams, schedule: str = "linear") -> float:
+    """LR for the optimiser step with 0-based index `step`: linear warmup, then linear decay to 0
+    (`linear`) or train.lr to the end (`constant`, for a short phase that hands over to another).
 
     Warmup reaches train.lr at step == warmup; the last step (max_steps - 1) still gets a non-zero
     LR, so no step is wasted at lr 0.
@@ -124,6 +128,8 @@ def lr_at(step: int, train: TrainParams) -> float:
     w = warmup_steps(train)
     if step < w:
         return train.lr * (step + 1) / w
+    if schedule == "constant":
+        return train.lr
     return train.lr * max(0.0, (train.max_steps - step) / max(1, train.max_steps - w))
 
 
@@ -151,23 +157,49 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.RMSNorm)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decay for weight matrices/embeddings, none for biases and norm weights.
+@dataclass(frozen=True)
+class LrGroup:
+    """Parameters trained at their own base lr (e.g. a fresh head beside a pre-trained body).
 
-    A tied weight is one parameter, listed once.
+    The schedule scales it as it scales train.lr: the group keeps `lr / train.lr` as its `lr_scale`
+    (in the optimiser state, so a resume keeps it). Logged as `lr_<name>`."""
+
+    name: str
+    selects: Callable[[str], bool]  # a parameter's name in model.named_parameters() -> in this group
+    lr: float
+
+
+def param_groups(model: nn.Module, weight_decay: float, lr_groups: Sequence[LrGroup] = (),
+                 base_lr: float | None = None) -> list[dict]:
+    """AdamW groups: decay for weight matrices/embeddings, none for biases and norm weights; and
+    that split again for each `lr_groups` entry (the first that selects a parameter wins), with its
+    `lr_scale` = group lr / `base_lr`. Without lr_groups: the two groups, both at scale 1.
+
+    A tied weight is one parameter, listed once (under the name it is first reached by).
     """
-    decay, no_decay, seen = [], [], set()
-    for module in model.modules():
+    if lr_groups and not base_lr:
+        raise ValueError("lr_groups need base_lr (train.lr) to turn each group's lr into a scale")
+    keys = [("", 1.0)] + [(g.name, g.lr / base_lr) for g in lr_groups]
+    split = {k: ([], []) for k, _ in keys}
+    seen = set()
+    for mname, module in model.named_modules():
         is_norm = isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
+            full = f"{mname}.{name}" if mname else name
+            group = next((g.name for g in lr_groups if g.selects(full)), "")
+            decay, no_decay = split[group]
             (no_decay if is_norm or name.endswith("bias") or p.ndim < 2 else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    out = []
+    for key, scale in keys:
+        decay, no_decay = split[key]
+        if key and not (decay or no_decay):
+            raise ValueError(f"lr group {key!r} selects no trainable parameter")
+        out += [{"params": decay, "weight_decay": weight_decay, "lr_scale": scale, "group": key},
+                {"params": no_decay, "weight_decay": 0.0, "lr_scale": scale, "group": key}]
+    return out
 
 
 class StepSampler:
@@ -262,6 +294,8 @@ class Trainer:
         param_prefix: str = "train",
         find_unused_parameters: bool = False,
         progress: bool = True,
+        lr_groups: Sequence[LrGroup] = (),
+        schedule: str = "linear",
     ):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1 (got {log_every})")
@@ -271,6 +305,9 @@ class Trainer:
         self.log_fn, self.log_every, self.prefix = log_fn, log_every, param_prefix
         self.hooks = Hooks.coerce(hooks)
         self.progress = progress
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; known: {SCHEDULES}")
+        self.schedule, self.lr_groups = schedule, tuple(lr_groups)
 
         self.rank, self.world_size, self.local_rank, self.device = D.init_distributed(compute)
         self.precision = resolve_precision(compute.precision, self.device)
@@ -289,7 +326,7 @@ class Trainer:
                 find_unused_parameters=find_unused_parameters,
             )
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.raw_model, train.weight_decay),
+            param_groups(self.raw_model, train.weight_decay, self.lr_groups, train.lr),
             lr=train.lr,
             betas=(train.adam_beta1, train.adam_beta2),
             eps=train.adam_eps,
@@ -414,8 +451,9 @@ class Trainer:
                 self._win_tokens += batch["attention_mask"].sum()
                 self._have_tokens = True
 
+        lr = lr_at(self.step, self.train, self.schedule)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.step, self.train)
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         self.scaler.unscale_(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else float("inf")
@@ -471,7 +509,9 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self._win_good:
             metrics = {k: v / (self.world_size * self._win_good) for k, v in zip(keys, vals)}
-        metrics["lr"] = lr_at(self.step - 1, self.train)
+        metrics["lr"] = lr_at(self.step - 1, self.train, self.schedule)
+        for g in self.lr_groups:
+            metrics[f"lr_{g.name}"] = metrics["lr"] * g.lr / self.train.lr
         metrics["bad_steps"] = float(self.bad_steps)
         metrics["samples_per_s"] = self._win_steps * self.train.batch_size / elapsed
         if self._have_tokens:
@@ -487,7 +527,8 @@ class Trainer:
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             # The schedule is a pure function of the step; recorded so a resume can check it.
-            "scheduler": {"kind": "linear_warmup_linear_decay", "last_step": self.step,
+            "scheduler": {"kind": "linear_warmup_linear_decay" if self.schedule == "linear" else "linear_warmup_constant",
+                          "last_step": self.step, "lr_scales": {g.name: g.lr / self.train.lr for g in self.lr_groups},
                           "warmup_steps": warmup_steps(self.train), "max_steps": self.train.max_steps},
             "scaler": self.scaler.state_dict(),
             "bad_steps": self.bad_steps,
@@ -548,6 +589,7 @@ class Trainer:
 
 __all__ = [
     "Hooks",
+    "LrGroup",
     "MicroBatches",
     "NonFiniteLossError",
     "StepSampler",
