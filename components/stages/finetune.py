@@ -41,7 +41,7 @@ from components.retrieval.negatives import mine_bm25_negatives, mine_dense_negat
 from components.retrieval.search import QA_SYSTEM_INDEX, bm25_qa_blocks, load_block_index, retrieve_qa_blocks, retriever_encode_fn
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import Trainer
+from components.training.trainer import Trainer, prefixed
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +52,6 @@ START_FOLDERS = {"init": INIT_ENCODER, "mlm": MLM_ENCODER, "retromae": RETROMAE_
 # the params sections that decide a start's weights: a change there starts a fresh checkpoint folder
 _START_SECTIONS = {"init": ["retromae"], "mlm": ["retromae", "mlm"], "retromae": ["retromae"],
                    "realm": ["retromae", "realm"], "pretrained": []}
-
-
-class _Prefixed(RankZeroLogger):
-    """Several trainings share the stage's MLflow run: prefix their metric names."""
-
-    def __init__(self, run, prefix: str):
-        super().__init__(run)
-        self.prefix = prefix
-
-    def __call__(self, metrics: dict[str, float], step: int) -> None:
-        super().__call__({f"{self.prefix}.{k}": v for k, v in metrics.items()}, step)
 
 
 def retrieval_start_folder(params: Params, name: str) -> Path | str:
@@ -113,7 +102,8 @@ def _finetune_one(params: Params, run, tokenizer, name: str, folder, pairs, corp
         rows = mine_dense_negatives(make_encode_fn(model, tokenizer, ft.query_len, ft.passage_len), pairs, corpus)
     collate = BiEncoderCollator.from_params(tokenizer, ft, corpus)
     ckpt = checkpoint_dir(f"finetune_retrieval_{name}", params, ["finetune", "warm_start", *_START_SECTIONS[name]])
-    trainer = Trainer(model, rows, collate, ft.train, params.compute, ckpt, log_fn=_Prefixed(run, f"retrieval.{name}"),
+    trainer = Trainer(model, rows, collate, ft.train, params.compute, ckpt,
+                      log_fn=prefixed(RankZeroLogger(run), f"retrieval.{name}."),
                       log_every=params.tracking.log_every, param_prefix="finetune.train")
     result = trainer.fit()
     if D.is_rank0():
@@ -183,7 +173,8 @@ def _finetune_reader(params: Params, run, tokenizer, system: str, blocks, qa: li
     model = OpenQA(retriever, SpanReader.from_pretrained(reader_init_folder()), ft.max_answer_tokens)
     collate = QACollator.from_params(tokenizer, blocks, vecs, ft)
     ckpt = checkpoint_dir(f"finetune_qa_{system}", params, ["finetune", "warm_start", "realm"])
-    trainer = Trainer(model, rows, collate, ft.qa_train, params.compute, ckpt, log_fn=_Prefixed(run, f"qa.{system}"),
+    trainer = Trainer(model, rows, collate, ft.qa_train, params.compute, ckpt,
+                      log_fn=prefixed(RankZeroLogger(run), f"qa.{system}."),
                       log_every=params.tracking.log_every, param_prefix="finetune.qa_train",
                       # a batch without block_embeddings (uniform p(z|x)) never runs the query tower
                       find_unused_parameters=True)

@@ -36,7 +36,7 @@ from components.models.retromae import RetroMAE
 from components.paths import MLM_OUT, RETROMAE_OUT, TOKENS, stage_metrics
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import LrGroup, TrainResult, Trainer
+from components.training.trainer import LrGroup, TrainResult, Trainer, phase_params, prefixed
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,10 @@ def head_warmup(model, data, collate, params: Params, out_dir: Path, log_fn=None
     Schedule: retromae.train.warmup_ratio of warm-up, then constant (the phase hands over to the
     joint one, whose own schedule starts again from a warm-up)."""
     ws, train = params.warm_start, params.retromae.train
-    train = train.model_copy(update={"max_steps": ws.head_warmup_steps, "lr": ws.head_warmup_lr,
-                                     "checkpoint_every": max(1, min(train.checkpoint_every, ws.head_warmup_steps))})
-    prefixed = None if log_fn is None else (lambda m, s: log_fn({f"head_warmup_{k}": v for k, v in m.items()}, s))
+    train = phase_params(train, ws.head_warmup_steps, ws.head_warmup_lr)
     with frozen_encoder_body(model) as trainable:
         log.info("head warm-up: %d steps at lr %g, encoder body frozen; training %s", train.max_steps, train.lr, ", ".join(trainable))
-        trainer = Trainer(model, data, collate, train, params.compute, out_dir, log_fn=prefixed,
+        trainer = Trainer(model, data, collate, train, params.compute, out_dir, log_fn=prefixed(log_fn, "head_warmup_"),
                           log_every=params.tracking.log_every, param_prefix="warm_start.head_warmup", schedule="constant")
         return trainer.fit()
 

@@ -56,6 +56,21 @@ from components.training import distributed as D
 LogFn = Callable[[dict[str, float], int], Any]
 
 
+def prefixed(log_fn: LogFn | None, prefix: str) -> LogFn | None:
+    """`log_fn` with `prefix` put before every metric name: several trainings of one stage (a
+    warm-up phase, one fine-tuning per start) log into the same run without colliding."""
+    if log_fn is None:
+        return None
+    return lambda metrics, step: log_fn({f"{prefix}{k}": v for k, v in metrics.items()}, step)
+
+
+def phase_params(train: TrainParams, steps: int, lr: float, **update: Any) -> TrainParams:
+    """A short training phase's knobs: `train` with its own steps and lr, checkpointing at least
+    once within the phase (so a killed phase resumes)."""
+    return train.model_copy(update={"max_steps": steps, "lr": lr,
+                                    "checkpoint_every": max(1, min(train.checkpoint_every, steps)), **update})
+
+
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive NaN/inf steps; the newest checkpoint is the last good one."""
 

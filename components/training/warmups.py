@@ -35,7 +35,7 @@ from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.models.ict import ICTModel
 from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
 from components.models.retriever import Retriever
-from components.training.trainer import LogFn, Trainer
+from components.training.trainer import LogFn, Trainer, phase_params, prefixed
 
 
 def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_dir: Path, log_fn: LogFn | None = None, *,
@@ -44,10 +44,8 @@ def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_
     `realm.train` for the other knobs), its metrics logged through `log_fn` as `{name}_*`. Returns
     `{name}_steps` and `{name}_final_<m>` for each metric m in `report`."""
     p = params.realm
-    train = p.train.model_copy(update={"max_steps": steps, "lr": lr, "batch_size": batch_size,
-                                       "checkpoint_every": max(1, min(p.train.checkpoint_every, steps))})
-    prefixed = None if log_fn is None else (lambda m, s: log_fn({f"{name}_{k}": v for k, v in m.items()}, s))
-    trainer = Trainer(model, rows, collator, train, params.compute, out_dir, log_fn=prefixed,
+    train = phase_params(p.train, steps, lr, batch_size=batch_size)
+    trainer = Trainer(model, rows, collator, train, params.compute, out_dir, log_fn=prefixed(log_fn, f"{name}_"),
                       log_every=params.tracking.log_every, param_prefix=f"realm.{name}", progress=False)
     result = trainer.fit()
     return {f"{name}_steps": result.step, **{f"{name}_final_{k}": v for k, v in result.metrics.items() if k in report}}
