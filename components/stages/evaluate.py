@@ -47,7 +47,6 @@ from components.retrieval.bm25 import BM25Retriever
 log = logging.getLogger(__name__)
 
 MAIN_SET = "main"
-FINETUNED = FINETUNE_RETRIEVERS
 FT_ORDER = ("init", "mlm", "retromae", "realm", "pretrained")  # ft:* rows in this order, then any others by name
 # realm.retriever_init -> the zero-shot row REALM's retriever starts from (ict / random: random towers, no row)
 REALM_START_ROW = {"retromae": "retromae"}
@@ -100,7 +99,7 @@ def title_line(params: Params) -> str:
 # ----------------------------------------------------------------------------------------------
 # systems
 # ----------------------------------------------------------------------------------------------
-def finetuned_starts(folder: Path = FINETUNED) -> list[str]:
+def finetuned_starts(folder: Path = FINETUNE_RETRIEVERS) -> list[str]:
     """The starts `finetune` wrote a bi-encoder for (models/finetune/retriever/<start>/), in table order."""
     found = [p.name for p in folder.iterdir() if (p / "config.json").exists()] if folder.is_dir() else []
     return sorted(found, key=lambda n: (FT_ORDER.index(n) if n in FT_ORDER else len(FT_ORDER), n))
@@ -188,7 +187,7 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
             add_dense(system, eq, ep, index=index)
 
     for start in finetuned_starts():
-        enc = HFEncoder.load(FINETUNED / start)
+        enc = HFEncoder.load(FINETUNE_RETRIEVERS / start)
         add_dense(f"ft:{start}", enc, enc)
     return rows
 
