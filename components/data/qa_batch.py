@@ -104,10 +104,12 @@ class QACollator:
         self._span_cache: dict[tuple[int, tuple[str, ...]], tuple[tuple[int, int], ...]] = {}
 
     @classmethod
-    def from_params(cls, tokenizer: Any, blocks: Any, block_embeddings: np.ndarray, p: Any) -> "QACollator":
-        """`p`: a FinetuneParams (query_len, passage_len, qa_top_k, max_answer_tokens)."""
+    def from_params(cls, tokenizer: Any, blocks: Any, block_embeddings: np.ndarray | None, p: Any,
+                    top_k: int | None = None) -> "QACollator":
+        """`p`: a FinetuneParams (query_len, passage_len, qa_top_k, max_answer_tokens); `top_k`
+        overrides qa_top_k (1 for the reader's own-paragraph phase: no padded empty slots)."""
         return cls(tokenizer, blocks, block_embeddings, query_len=p.query_len, passage_len=p.passage_len,
-                   top_k=p.qa_top_k, max_answer_tokens=p.max_answer_tokens)
+                   top_k=p.qa_top_k if top_k is None else top_k, max_answer_tokens=p.max_answer_tokens)
 
     # -- pieces ------------------------------------------------------------------------------------
     def _block_tokens(self, block: dict) -> tuple[list[int], list[list[int]]]:

@@ -4,6 +4,7 @@
     vecs, index = load_block_index(REALM_OUT / "index" / "final", blocks)  # row-aligned with `blocks`
     qa = retrieve_qa_blocks(encode, qa, k=5, search_fn=index.search)       # + block_rows
     qa = bm25_qa_blocks(qa, k=5, block_texts=blocks["text"])               # the sparse system: + block_rows
+    qa = gold_qa_blocks(qa, blocks["doc_id"], blocks["text"])              # each question's own paragraph
 
 An `EncodeFn` maps (texts, "query"|"passage") to float32 vectors (N, D); `biencoder.make_encode_fn`
 and `retriever_encode_fn` build one.
@@ -65,6 +66,26 @@ def bm25_qa_blocks(qa_rows: Sequence[dict], k: int, block_texts: Sequence[str] |
     bm25 = bm25 if bm25 is not None else bm25_over_blocks(block_texts)
     ids, _ = bm25.retrieve([r["question"] for r in qa_rows], k)
     return [{**r, "block_rows": [int(x) for x in ids[i]]} for i, r in enumerate(qa_rows)]
+
+
+def gold_qa_blocks(qa_rows: Sequence[dict], block_doc_ids: Sequence[str], block_texts: Sequence[str]) -> list[dict]:
+    """Add `block_rows` = [the first block of the question's own paragraph (`positive_ctx`) whose
+    text holds a gold answer] to each QA row that has one; the others are left out. The reader's
+    reading-comprehension phase (SQuAD's setting): no retriever is involved, so every open-QA
+    system can share it."""
+    from components.data.text import normalize_answer
+
+    by_doc: dict[str, list[int]] = {}
+    for row, doc in enumerate(block_doc_ids):
+        by_doc.setdefault(str(doc), []).append(row)
+    out = []
+    for r in qa_rows:
+        golds = [normalize_answer(a) for a in r.get("answers", []) if normalize_answer(a)]
+        rows = by_doc.get(str(r.get("positive_ctx")), [])
+        hit = next((b for b in rows if any(g in normalize_answer(block_texts[b]) for g in golds)), None)
+        if hit is not None:
+            out.append({**r, "block_rows": [hit]})
+    return out
 
 
 def bm25_over_blocks(block_texts: Sequence[str]):

@@ -19,8 +19,12 @@ query tower (`models/realm/retriever/query_encoder`): its BERT, without the proj
 dot product) and the comparison is about the starting weights alone.
 
 Every reader starts from the same encoder (`reader_init_folder`), with `finetune.qa_train` and the
-same seed, over its own system's top `qa_top_k` blocks. `closed-book` trains nothing: with the
-null document alone an extractive reader has no span to learn or to answer (evaluate scores it).
+same seed, over its own system's top `qa_top_k` blocks. With `finetune.qa_gold_steps`, the reader
+first reads each training question's own paragraph (SQuAD's reading-comprehension setting): that
+phase involves no retriever, so it runs once and every system's reader starts from its result,
+exactly as if each ran it. A span head new to a warm-started encoder trains at
+`warm_start.head_lr`, as the MLM head does. `closed-book` trains nothing: with the null document
+alone an extractive reader has no span to learn or to answer (evaluate scores it).
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ from components.models.encoder import resolve_pretrained
 from components.paths import (CORPUS, FINETUNE_OPEN_QA, FINETUNE_OUT, FINETUNE_RETRIEVERS, INIT_ENCODER, MLM_ENCODER,
                               REALM_OUT, RETROMAE_ENCODER, TOKENS, stage_metrics)
 from components.retrieval.negatives import mine_bm25_negatives, mine_dense_negatives
-from components.retrieval.search import QA_SYSTEM_INDEX, bm25_qa_blocks, load_block_index, retrieve_qa_blocks, retriever_encode_fn
+from components.retrieval.search import (QA_SYSTEM_INDEX, bm25_qa_blocks, gold_qa_blocks, load_block_index, retrieve_qa_blocks,
+                                         retriever_encode_fn)
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import Trainer, prefixed
+from components.training.trainer import LrGroup, Trainer, phase_params, prefixed
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +143,40 @@ def qa_selection(system: str, ft, tokenizer, blocks, qa: list[dict]):
     return rows, vecs, retriever
 
 
+def reader_lr_groups(params: Params) -> list[LrGroup]:
+    """The span head (`qa_outputs`) starts random on a warm-started encoder: `warm_start.head_lr`."""
+    lr = params.warm_start.head_lr
+    if params.warm_start.path is None or lr is None:
+        return []
+    return [LrGroup("head", lambda name: ".qa_outputs." in name, lr)]
+
+
+def gold_reader(params: Params, run, tokenizer, blocks, qa: list[dict]) -> tuple[dict | None, dict]:
+    """The reader after `finetune.qa_gold_steps` on (question, own paragraph) pairs: (its
+    state_dict, summary), or (None, {}) when the phase is off or no question names its paragraph."""
+    from components.data.qa_batch import QACollator
+    from components.models.reader import OpenQA, SpanReader
+
+    ft = params.finetune
+    if not ft.qa_gold_steps:
+        return None, {}
+    rows = gold_qa_blocks(qa, blocks["doc_id"], blocks["text"])
+    if not rows:
+        log.warning("finetune.qa_gold_steps=%d but no training question has a positive_ctx paragraph holding its "
+                    "answer: skipping the reader's own-paragraph phase", ft.qa_gold_steps)
+        return None, {}
+    model = OpenQA(None, SpanReader.from_pretrained(reader_init_folder()), ft.max_answer_tokens)
+    train = phase_params(ft.qa_train, ft.qa_gold_steps, ft.qa_train.lr, batch_size=ft.qa_gold_batch_size)
+    ckpt = checkpoint_dir("finetune_qa_gold", params, ["finetune", "warm_start", "realm"])
+    trainer = Trainer(model, rows, QACollator.from_params(tokenizer, blocks, None, ft, top_k=1), train, params.compute,
+                      ckpt, log_fn=prefixed(RankZeroLogger(run), "qa.gold."), log_every=params.tracking.log_every,
+                      param_prefix="finetune.qa_gold", lr_groups=reader_lr_groups(params))
+    result = trainer.fit()
+    state = {k: v.detach().clone() for k, v in trainer.raw_model.reader.state_dict().items()}
+    return state, {"qa.gold.questions": len(rows), "qa.gold.steps": result.step,
+                   **{f"qa.gold.final_{k}": v for k, v in result.metrics.items()}}
+
+
 def _qa_inputs_exist(system: str) -> bool:
     if system == "bm25":
         return True
@@ -153,31 +192,35 @@ def finetune_readers(params: Params, run, tokenizer) -> dict:
                     ft.qa_enabled, len(qa), systems)
         return {"qa_trained": 0}
     blocks = datasets.load_from_disk(str(TOKENS / "blocks"))
-    summary: dict = {"qa_questions": len(qa)}
+    gold_state, summary = gold_reader(params, run, tokenizer, blocks, qa)
+    summary["qa_questions"] = len(qa)
     trained = []
     for system in systems:
         if not _qa_inputs_exist(system):
             log.warning("open-QA system %s skipped: no REALM retriever / index under %s", system, REALM_OUT)
             continue
         trained.append(system)
-        summary.update(_finetune_reader(params, run, tokenizer, system, blocks, qa))
+        summary.update(_finetune_reader(params, run, tokenizer, system, blocks, qa, gold_state))
     return {**summary, "qa_systems": ",".join(trained)}
 
 
-def _finetune_reader(params: Params, run, tokenizer, system: str, blocks, qa: list[dict]) -> dict:
+def _finetune_reader(params: Params, run, tokenizer, system: str, blocks, qa: list[dict], gold_state: dict | None) -> dict:
     from components.data.qa_batch import QACollator
     from components.models.reader import OpenQA, SpanReader
 
     ft = params.finetune
     rows, vecs, retriever = qa_selection(system, ft, tokenizer, blocks, qa)
-    model = OpenQA(retriever, SpanReader.from_pretrained(reader_init_folder()), ft.max_answer_tokens)
+    reader = SpanReader.from_pretrained(reader_init_folder())
+    if gold_state is not None:
+        reader.load_state_dict(gold_state)
+    model = OpenQA(retriever, reader, ft.max_answer_tokens)
     collate = QACollator.from_params(tokenizer, blocks, vecs, ft)
     ckpt = checkpoint_dir(f"finetune_qa_{system}", params, ["finetune", "warm_start", "realm"])
     trainer = Trainer(model, rows, collate, ft.qa_train, params.compute, ckpt,
                       log_fn=prefixed(RankZeroLogger(run), f"qa.{system}."),
                       log_every=params.tracking.log_every, param_prefix="finetune.qa_train",
                       # a batch without block_embeddings (uniform p(z|x)) never runs the query tower
-                      find_unused_parameters=True)
+                      find_unused_parameters=True, lr_groups=reader_lr_groups(params))
     result = trainer.fit()
     if D.is_rank0():
         trainer.raw_model.save_pretrained(OPEN_QA_OUT / system, tokenizer)

@@ -47,7 +47,7 @@ from components.io import atomic_dir, write_json_atomic, write_text_atomic
 from components.models.realm import REALM_CONFIG, build_model
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import Trainer
+from components.training.trainer import Trainer, autocast_for
 from components.training.warmups import ict_warmup, reader_warmup
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,8 @@ def train_realm(
     def on_train_start(step: int, trainer: Trainer) -> None:
         refresh.on_train_start(step, trainer)
         if rank0 and step == 0:  # the start of the curve: held-out accuracy before any update (not on a resume)
-            ev_start.update(evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.active))
+            with autocast_for(params.compute.precision, trainer.device):
+                ev_start.update(evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.active))
 
     trainer = Trainer(model, train_rows, collator, train, params.compute, ckpt_root, log_fn=recorder,
                       hooks={"on_train_start": on_train_start, "on_step_end": refresh.on_step_end},
@@ -202,9 +203,10 @@ def train_realm(
 
     # held-out masked-token accuracy: with the final index, and with the index training used last
     final_index = refresh.active
-    ev = evaluate_mlm(trainer.raw_model, collator, held_queries, final_index)
     stale_at_end = refresh.train_index is not final_index
-    ev_train = evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.train_index) if stale_at_end else ev
+    with autocast_for(params.compute.precision, trainer.device):
+        ev = evaluate_mlm(trainer.raw_model, collator, held_queries, final_index)
+        ev_train = evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.train_index) if stale_at_end else ev
     last, start = refresh.ok_rows[-1], refresh.ok_rows[0]
     train_probe = probe(trainer.raw_model.retriever, refresh.train_index) if stale_at_end else last
     cadence = [r for r in refresh.history if r.get("reason") == "cadence"]
