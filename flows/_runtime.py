@@ -25,6 +25,42 @@ STAGES = ["prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pr
 
 log = logging.getLogger("retro_realm")
 
+# The loggers whose INFO lines (training progress, stage notes, logged models) a flow run forwards.
+LIBRARY_LOGGERS = ("components", "flows")
+
+
+class _InRunOnly(logging.Filter):
+    """Only records emitted inside a flow or task run go to the API (no "missing flow run" warnings
+    from library lines logged outside one, e.g. by a background flusher thread)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        return bool(getattr(record, "flow_run_id", None) or FlowRunContext.get() or TaskRunContext.get())
+
+
+def forward_library_logs(names: tuple[str, ...] = LIBRARY_LOGGERS) -> None:
+    """Send the library's INFO log lines to the console and to the Prefect flow-run log.
+
+    What PREFECT_LOGGING_EXTRA_LOGGERS does (Prefect's API log handler on each name), also when the
+    variable was not set before Prefect configured logging, plus the INFO level: under Prefect's
+    root logger (WARNING) the progress lines would be dropped. The console copy comes from the
+    root's handler, which the lines still propagate to. Idempotent.
+    """
+    from prefect.logging.handlers import APILogHandler
+
+    for name in names:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET or logger.level > logging.INFO:
+            logger.setLevel(logging.INFO)
+        if not any(isinstance(h, APILogHandler) for h in logger.handlers):
+            handler = APILogHandler()
+            handler.addFilter(_InRunOnly())
+            logger.addHandler(handler)
+
+
+forward_library_logs()
+
 
 def params_from_env() -> Params:
     return load_params(os.environ.get("RR_PARAMS", "params.yaml"))
@@ -42,6 +78,30 @@ def prefect_tags() -> dict[str, str]:
         os.environ["RR_PREFECT_FLOW_RUN_ID"] = str(fid)
         return {"prefect.flow_run_id": str(fid)}
     return {}
+
+
+WORKSPACE_QUEUE = "retro-realm-workspace"
+
+
+def workspace_queue(pool: str, name: str = WORKSPACE_QUEUE, limit: int = 1) -> dict:
+    """prefect.yaml's build step: the work queue every deployment of this workspace is on, with
+    `limit` concurrency slot(s). One checkout holds one DVC repo lock, so a second pipeline or stage
+    run stays SCHEDULED until the first ends (the worker does not pick it up) instead of failing on
+    the lock mid-run. Created when missing, its limit reset when present. Returns {"work_queue": name}.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            queue = client.read_work_queue_by_name(name, work_pool_name=pool)
+        except ObjectNotFound:
+            client.create_work_queue(name, work_pool_name=pool, concurrency_limit=limit,
+                                     description="one retro-realm run per workspace (DVC's repo lock)")
+        else:
+            if queue.concurrency_limit != limit:
+                client.update_work_queue(queue.id, concurrency_limit=limit)
+    return {"work_queue": name}
 
 
 def _free_port() -> int:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from components.paths import CORPUS, FINETUNE_OUT, stage_metrics
+from components.paths import CORPUS, FINETUNE_OPEN_QA, FINETUNE_OUT, FINETUNE_RETRIEVERS, stage_metrics
 from components.stages.finetune import finetune
 from flows._torchrun import run_training
-from flows._stage import Artifact, Dataset, run_stage
+from flows._stage import Artifact, Dataset, Model, register, run_stage
 
 STAGE = "finetune"
 
@@ -21,11 +21,27 @@ def train(params, run) -> dict:
     return run_training(STAGE, "components.stages.finetune", params, run, finetune)
 
 
+def models(params) -> list[Model]:
+    """ft-<start>-retriever (sentence-transformers) per start, qa-<system>-reader (HF QA) per system."""
+    ft = params.finetune
+    return ([Model(FINETUNE_RETRIEVERS / name, f"ft-{name}-retriever", "sentence_transformers") for name in ft.retrieval_inits]
+            + [Model(FINETUNE_OPEN_QA / system / "reader", f"qa-{system}-reader", task="question-answering")
+               for system in ft.qa_systems])
+
+
+def register_retriever(run, ids: dict[str, str]) -> None:
+    """tracking.registry_start's retriever -> tracking.registry_name@registry_alias."""
+    name = f"ft-{run.params.tracking.registry_start}-retriever"
+    if name in ids:
+        register(run, ids[name])
+
+
 @flow(name=STAGE, log_prints=True)
 def finetune_flow() -> dict:
     return run_stage(STAGE, ["finetune"], train, inputs=[Dataset(CORPUS / "beir", "train_questions")],
                      artifacts=[*(Artifact(FINETUNE_OUT / sub, sub, optional=True) for sub in ("retriever", "open_qa")),
-                                Artifact(stage_metrics(STAGE))])
+                                Artifact(stage_metrics(STAGE))],
+                     models=models, on_models=register_retriever)
 
 
 if __name__ == "__main__":

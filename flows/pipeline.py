@@ -1,15 +1,21 @@
-"""The whole pipeline as one Prefect flow: apply param overrides, then `dvc repro`, stage by stage.
+"""The whole pipeline as one Prefect flow: set params the way `dvc exp run -S` does, then `dvc repro`,
+stage by stage, then `dvc exp save` when params were set.
 
-    python -m flows.pipeline                                   # the README's main job
-    python -m flows.pipeline --set retromae.train.max_steps=200 --target pretrain_retromae
+    python -m flows.pipeline                                   # the README's main job (`make run`)
+    python -m flows.pipeline --preset paper                    # params/paper.yaml written into params.yaml
+    python -m flows.pipeline --set retromae.train.max_steps=200 --name steps200
     prefect deployment run retro-realm/pipeline -p overrides='{"retromae.train.max_steps": 200}'
     prefect deployment run retro-realm/pipeline -p upto=pretrain_realm -p push=true
     prefect deployment run retro-realm/tokenize                # one stage (prefect.yaml)
 
-DVC owns the DAG: each task runs `dvc repro --single-item <stage>`, so a stage whose params, code and
-inputs are unchanged is skipped by DVC itself, and `dvc.lock` stays true. The flow opens the
-MLflow parent run; every stage process opens its child run under it (RR_PARENT_RUN_ID). Without
-PREFECT_API_URL, one local Prefect API is started for the whole run instead of one per stage.
+DVC owns the DAG and the experiments. Overrides and presets are written into params.yaml by DVC's
+own `-S` code (comments and layout stay), so `dvc status` and `dvc.lock` see every value a stage
+runs with. DVC's planner picks the stages (`plan`), each task runs `dvc repro --single-item <stage>`
+(an unchanged stage is skipped by DVC itself), and `dvc exp save` records the run as an experiment
+for `dvc exp show` / `dvc metrics diff`. The same run from the shell:
+`dvc exp run -S retromae.train.max_steps=200` (no Prefect tasks, no MLflow parent run).
+The flow opens the MLflow parent run; every stage process opens its child run under it
+(RR_PARENT_RUN_ID). Without PREFECT_API_URL, one local Prefect API is started for the whole run.
 """
 
 from __future__ import annotations
@@ -20,68 +26,99 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from components.config import PARAMS_FILE, apply_overrides, load_params
-from components.io import write_text_atomic
+from components.config import PARAMS_FILE, ParamsError, load_params
 from components.tracking import ENV_PARENT, close_run, open_parent_run, tracking_uri
 from flows._runtime import STAGES, local_prefect_api, prefect_tags
 
-
-def dag_order() -> list[str]:
-    """Stages in dvc.yaml order (dvc.yaml lists them topologically)."""
-    stages = yaml.safe_load(Path("dvc.yaml").read_text())["stages"]
-    return [s for s in stages]
+PRESETS_DIR = Path("params")
 
 
-def _paths(entries) -> set[str]:
-    return {(list(e)[0] if isinstance(e, dict) else e).rstrip("/") for e in entries or []}
+def preset_overrides(preset: str) -> dict[str, Any]:
+    """A preset (`paper`, or a path like `params/paper.yaml`) as the dotted keys it sets."""
+    path = Path(preset) if preset.endswith((".yaml", ".yml")) else PRESETS_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        have = sorted(f.stem for f in PRESETS_DIR.glob("*.yaml"))
+        raise ParamsError(f"preset {preset!r}: {path} not found (presets: {have})")
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+
+    def leaves(node: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    return leaves(raw)
 
 
-def _overlap(a: str, b: str) -> bool:
-    """Same path, or one inside the other (a dep on `models/retromae/encoder` reads `models/retromae`)."""
-    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+def _hydra_value(v: Any) -> str:
+    """A Python value in Hydra's override grammar, as `dvc exp run -S key=VALUE` reads it."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(v, list):
+        return "[" + ",".join(_hydra_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_hydra_value(x)}" for k, x in v.items()) + "}"
+    raise ParamsError(f"cannot write {v!r} ({type(v).__name__}) into {PARAMS_FILE}")
 
 
-def _edges(order: list[str]) -> dict[str, set[str]]:
-    """stage -> the stages whose outputs it reads (dvc.yaml deps vs outs)."""
-    spec = yaml.safe_load(Path("dvc.yaml").read_text())["stages"]
-    outs = {s: _paths(spec[s].get("outs")) for s in order}
-    return {s: {u for u in order if u != s and any(_overlap(d, o) for d in _paths(spec[s].get("deps")) for o in outs[u])}
-            for s in order}
-
-
-def downstream_of(target: str, order: list[str]) -> list[str]:
-    """`target` and every stage that (transitively) depends on its outputs."""
-    edges, picked = _edges(order), {target}
-    for s in order:  # topological order: one pass suffices
-        if edges[s] & picked:
-            picked.add(s)
-    return [s for s in order if s in picked]
-
-
-def upstream_of(stage: str, order: list[str]) -> list[str]:
-    """`stage` and every stage it (transitively) depends on: what `dvc repro <stage>` would run."""
-    edges, picked = _edges(order), {stage}
-    for s in reversed(order):
-        if s in picked:
-            picked |= edges[s]
-    return [s for s in order if s in picked]
+def set_params_args(overrides: dict[str, Any]) -> list[str]:
+    """The `-S key=value` arguments of `dvc exp run` that set `overrides`."""
+    return [f"{k}={_hydra_value(v)}" for k, v in overrides.items()]
 
 
 def apply_param_overrides(overrides: dict | None, path: str = PARAMS_FILE) -> bool:
-    """Write dotted overrides into params.yaml, as `dvc exp run -S` does. Validated before writing."""
+    """Write dotted overrides into params.yaml with DVC's own `dvc exp run -S` code (a round-trip
+    edit: comments, key order and layout stay). Validated first: a bad key writes nothing."""
     if not overrides:
         return False
-    text = Path(path).read_text(encoding="utf-8")
-    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
-    raw = apply_overrides(yaml.safe_load(text), overrides)
+    from dvc.utils.hydra import apply_overrides
+
     load_params(path, overrides=overrides)  # raises ParamsError naming the key if invalid
-    write_text_atomic(path, header + yaml.safe_dump(raw, sort_keys=False, width=110))
+    apply_overrides(path, set_params_args(overrides))
     return True
+
+
+def plan(target: str | None = None, upto: str | None = None, only: str | None = None) -> list[str]:
+    """The stages to visit, in the order `dvc repro` visits them (DVC's own planner on dvc.yaml).
+
+    target: it and what follows it (`dvc repro --downstream`); upto: it and what it needs
+    (`dvc repro upto`); both: the stages between; only: that stage (`dvc repro --single-item`).
+    """
+    from dvc.repo import Repo
+    from dvc.repo.reproduce import plan_repro
+
+    with Repo() as repo:
+        graph = repo.index.graph
+        by_name = {s.addressing: s for s in repo.index.stages}
+        for name in (target, only, upto):
+            if name and name not in by_name:
+                raise ValueError(f"unknown stage {name!r}; stages: {sorted(by_name)}")
+        if only and (target or upto):
+            raise ValueError("`only` runs one stage; it cannot be combined with `target` or `upto`")
+        if only:
+            return [only]
+        order = [s.addressing for s in plan_repro(graph)]
+        picked = set(order)
+        if target:
+            picked &= {s.addressing for s in plan_repro(graph, [by_name[target]], downstream=True)}
+        if upto:
+            picked &= {s.addressing for s in plan_repro(graph, [by_name[upto]])}
+    stages = [s for s in order if s in picked]
+    if not stages:
+        raise ValueError(f"no stage is both downstream of {target!r} and upstream of {upto!r}")
+    return stages
 
 
 def _dvc(*args: str) -> tuple[int, list[str]]:
@@ -104,7 +141,7 @@ def _dvc(*args: str) -> tuple[int, list[str]]:
     return proc.wait(), lines
 
 
-@task(cache_policy=NO_CACHE, name="dvc-repro-stage")
+@task(cache_policy=NO_CACHE, name="dvc-repro-stage", task_run_name="{stage}")
 def repro_stage(stage: str, force: bool = False) -> str:
     rc, lines = _dvc("repro", "--single-item", stage, *(["--force"] if force else []))
     if rc != 0:
@@ -118,6 +155,20 @@ def dvc_push() -> None:
     rc, _ = _dvc("push")
     if rc != 0:
         raise RuntimeError(f"dvc push failed (exit {rc}); check the default remote (`dvc remote list`, scripts/dvc_remote.sh)")
+
+
+@task(cache_policy=NO_CACHE, name="dvc-exp-save")
+def exp_save(name: str | None = None) -> str:
+    """Record the workspace (params.yaml, dvc.lock, metrics, plots) as a DVC experiment.
+
+    `-I` adds the committed results even before their first git commit (a fresh clone has none).
+    """
+    committed = [f for f in ("dvc.lock", "metrics", "plots") if Path(f).exists()]
+    rc, lines = _dvc("exp", "save", *(["--name", name, "--force"] if name else []),
+                     *(arg for f in committed for arg in ("--include-untracked", f)))
+    if rc != 0:
+        raise RuntimeError(f"dvc exp save failed (exit {rc}); the stages ran and dvc.lock is written")
+    return lines[-1] if lines else ""
 
 
 def record_lineage(params, parent: str, result: dict[str, str]) -> None:
@@ -141,41 +192,34 @@ def record_lineage(params, parent: str, result: dict[str, str]) -> None:
 
 @flow(name="retro-realm", log_prints=True)
 def pipeline(overrides: dict | None = None, target: str | None = None, only: str | None = None,
-             push: bool = False, upto: str | None = None) -> dict[str, str]:
+             push: bool = False, upto: str | None = None, preset: str | None = None,
+             name: str | None = None) -> dict[str, str]:
     """Run the DAG.
 
-    overrides: dotted params written into params.yaml first (as `dvc exp run -S`).
+    preset:    a params/ preset (`paper`, `small`) written into params.yaml first, as `-S` overrides.
+    overrides: dotted params written into params.yaml after it (as `dvc exp run -S`).
+    name:      the experiment's name for `dvc exp save` (saved whenever params were set, or named).
     target:    force this stage and rerun everything downstream of it.
     only:      run just this stage (`dvc repro --single-item`): the per-stage deployments.
     push:      `dvc push` after a successful run (remote workers).
     upto:      run this stage and what it depends on, nothing downstream (as `dvc repro <upto>`);
                with `target`, the stages between the two.
     """
-    order = dag_order()
-    for name in (target, only, upto):
-        if name and name not in order:
-            raise ValueError(f"unknown stage {name!r}; stages: {order}")
-    if only and (target or upto):
-        raise ValueError("`only` runs one stage; it cannot be combined with `target` or `upto`")
-    apply_param_overrides(overrides)
+    stages = plan(target=target, upto=upto, only=only)
+    changes = {**(preset_overrides(preset) if preset else {}), **(overrides or {})}
+    apply_param_overrides(changes)
     params = load_params()
-    picked = set(order)
-    if target:
-        picked &= set(downstream_of(target, order))
-    if upto:
-        picked &= set(upstream_of(upto, order))
-    stages = [only] if only else [s for s in order if s in picked]
-    if not stages:
-        raise ValueError(f"no stage is both downstream of {target!r} and upstream of {upto!r}")
-    parent = open_parent_run(params, tags={"rr.overrides": json.dumps(overrides or {}), "rr.target": target or "",
-                                           "rr.only": only or "", "rr.upto": upto or "", "rr.push": str(push).lower(),
-                                           **prefect_tags()})
+    parent = open_parent_run(params, tags={"rr.overrides": json.dumps(overrides or {}), "rr.preset": preset or "",
+                                           "rr.target": target or "", "rr.only": only or "", "rr.upto": upto or "",
+                                           "rr.push": str(push).lower(), **prefect_tags()})
     os.environ[ENV_PARENT] = parent
     status = "FAILED"
     result: dict[str, str] = {}
     try:
         for stage in stages:
             result[stage] = repro_stage(stage, force=(stage == target))
+        if changes or name:
+            exp_save(name)
         if push:
             dvc_push()
         record_lineage(params, parent, result)
@@ -200,13 +244,16 @@ def _parse_set(items: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (repeatable), like dvc exp run -S")
+    ap.add_argument("--preset", help="a params/ preset written into params.yaml first: paper, small, or a path")
+    ap.add_argument("--name", help="experiment name for dvc exp save (saved whenever params are set)")
     ap.add_argument("--target", choices=STAGES, help="rerun this stage and what depends on it")
     ap.add_argument("--only", choices=STAGES, help="run just this stage (if stale)")
     ap.add_argument("--upto", choices=STAGES, help="run this stage and what it depends on, nothing downstream")
     ap.add_argument("--push", action="store_true", help="dvc push after a successful run")
     args = ap.parse_args(argv)
     with local_prefect_api():
-        pipeline(overrides=_parse_set(args.set) or None, target=args.target, only=args.only, push=args.push, upto=args.upto)
+        pipeline(overrides=_parse_set(args.set) or None, target=args.target, only=args.only, push=args.push, upto=args.upto,
+                 preset=args.preset, name=args.name)
 
 
 if __name__ == "__main__":

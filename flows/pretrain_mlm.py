@@ -10,12 +10,12 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from components.io import write_text_atomic
-from components.paths import MLM_OUT, TOKENS, stage_metrics
+from components.paths import MLM_ENCODER, MLM_OUT, TOKENS, stage_metrics
 from components.stages.common import write_stage_metrics
 from components.stages.pretrain_retromae import train_encoder
 from flows._runtime import params_from_env
 from flows._torchrun import run_training
-from flows._stage import Artifact, Dataset, run_stage
+from flows._stage import Artifact, Dataset, Model, run_stage
 
 STAGE = "pretrain_mlm"
 
@@ -34,7 +34,8 @@ def pretrain_mlm_flow() -> dict:
         print(f"{STAGE}: disabled (mlm.enabled: false)")
         return {"enabled": False}
     return run_stage(STAGE, ["retromae", "mlm", "warm_start"], train, params=params, inputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks")],
-                     artifacts=[Artifact(MLM_OUT / "encoder", "encoder"), Artifact(stage_metrics(STAGE))])
+                     artifacts=[Artifact(MLM_OUT / "encoder", "encoder"), Artifact(stage_metrics(STAGE))],
+                     models=[Model(MLM_ENCODER, "mlm-encoder", task="fill-mask")])
 
 
 if __name__ == "__main__":

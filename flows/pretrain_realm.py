@@ -16,10 +16,11 @@ from typing import Callable
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from components.paths import RETROMAE_ENCODER, TOKENS
+from components.models.retriever import copy_tokenizer_into_tower
+from components.paths import REALM_OUT, RETROMAE_ENCODER, TOKENS
 from components.stages.pretrain_realm import train_realm
 from flows._torchrun import run_training
-from flows._stage import Dataset, run_stage
+from flows._stage import Dataset, Model, run_stage
 
 STAGE = "pretrain_realm"
 
@@ -40,8 +41,10 @@ def prefect_refresh_wrapper(body: Callable[..., dict], *, step: int, reason: str
 
 @task(cache_policy=NO_CACHE, name="train-realm")
 def train(params, run) -> dict:
-    return run_training(STAGE, "components.stages.pretrain_realm", params, run,
-                        lambda p, r: train_realm(p, r, refresh_wrapper=prefect_refresh_wrapper))
+    summary = run_training(STAGE, "components.stages.pretrain_realm", params, run,
+                           lambda p, r: train_realm(p, r, refresh_wrapper=prefect_refresh_wrapper))
+    copy_tokenizer_into_tower(REALM_OUT / "retriever")  # where sentence-transformers reads it
+    return summary
 
 
 def _metrics(summary: dict) -> dict:
@@ -53,7 +56,9 @@ def pretrain_realm_flow() -> dict:
     # The body logs the retriever, reader, final index and card itself (its artifacts).
     return run_stage(STAGE, ["realm"], train, metrics=_metrics, step=lambda summary: int(summary.get("step", 0)),
                      inputs=[Dataset(TOKENS / "blocks", "retrieval_blocks"),
-                             Dataset(RETROMAE_ENCODER, "retromae_encoder", optional=True)])
+                             Dataset(RETROMAE_ENCODER, "retromae_encoder", optional=True)],
+                     models=[Model(REALM_OUT / "retriever", "realm-retriever", "sentence_transformers"),
+                             Model(REALM_OUT / "knowledge_augmented_encoder", "realm-knowledge-augmented-encoder", task="fill-mask")])
 
 
 if __name__ == "__main__":

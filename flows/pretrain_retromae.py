@@ -8,10 +8,10 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from components.paths import RETROMAE_OUT, TOKENS, stage_metrics
+from components.paths import INIT_ENCODER, RETROMAE_ENCODER, RETROMAE_OUT, TOKENS, stage_metrics
 from components.stages.pretrain_retromae import train_encoder
 from flows._torchrun import run_training
-from flows._stage import Artifact, Dataset, run_stage
+from flows._stage import Artifact, Dataset, Model, run_stage
 
 STAGE = "pretrain_retromae"
 
@@ -26,7 +26,9 @@ def train(params, run) -> dict:
 def pretrain_retromae_flow() -> dict:
     return run_stage(STAGE, ["retromae", "warm_start"], train, inputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks")],
                      artifacts=[Artifact(RETROMAE_OUT / "encoder", "encoder"),  # HF format (safetensors)
-                                Artifact(RETROMAE_OUT / "model_card.md"), Artifact(stage_metrics(STAGE))])
+                                Artifact(RETROMAE_OUT / "model_card.md"), Artifact(stage_metrics(STAGE))],
+                     models=[Model(RETROMAE_ENCODER, "retromae-encoder", task="fill-mask"),
+                             Model(INIT_ENCODER, "init-encoder", task="fill-mask")])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ from components.paths import CORPUS, TOKENS
 from flows._stage import Artifact, Dataset, run_stage
 
 
-@task(cache_policy=NO_CACHE)
+# log_prints off: `datasets` fingerprints functions with dill, which disassembles them with print()
+# into a captured stdout; the flow's print capture would turn each bytecode line into a log line.
+@task(cache_policy=NO_CACHE, log_prints=False)
 def tokenize_and_pack(tok_params, corpus_dir: str, out_dir: str, warm_start: str | None = None) -> dict:
     return tokenize_corpus(tok_params, corpus_dir, out_dir, warm_start=warm_start)
 

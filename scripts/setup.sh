@@ -20,6 +20,9 @@ UV="$(command -v uv || echo "$PY -m uv")"
 find_links=()
 for d in ${PIP_FIND_LINKS:-}; do find_links+=(--find-links "$d"); done
 
+# the offline page template for `dvc plots show` (vega from npm; skipped without npm)
+timeout 180 bash scripts/vega_offline.sh || echo "[setup] could not build plots/templates/offline.html (see scripts/vega_offline.sh)"
+
 stamp="$VENV/.lock.sha256"
 want="$(sha256sum requirements/lock.txt pyproject.toml | sha256sum | cut -c1-64)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

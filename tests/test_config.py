@@ -2,8 +2,9 @@
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
-from components.config import Params, ParamsError, load_params
+from components.config import Params, ParamsError, RealmParams, load_params
 from tests.conftest import ROOT
 
 
@@ -63,9 +64,35 @@ def test_section_digest_changes_only_with_its_section():
     assert a.section_digest("tokenize") != b.section_digest("tokenize")
 
 
-def test_params_yaml_spells_out_the_typed_defaults():
-    # the tiny preset lives in both places; they must not drift apart
-    assert load_params(ROOT / "params.yaml").model_dump() == Params().model_dump()
+def _sections(model=Params):
+    yield model
+    for f in model.model_fields.values():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            yield from _sections(f.annotation)
+
+
+def test_the_tiny_values_live_in_params_yaml_only():
+    # no typed default can drift from params.yaml: every knob it holds is a required field
+    with_default = [f"{m.__name__}.{k}" for m in _sections() for k, f in m.model_fields.items() if not f.is_required()]
+    assert not with_default, with_default
+    # a section built in code takes what it is not given from params.yaml
+    assert Params().model_dump() == load_params(ROOT / "params.yaml").model_dump()
+    r = RealmParams(top_k=3)
+    assert r.top_k == 3 and r.block_len == load_params(ROOT / "params.yaml").realm.block_len
+
+
+def test_a_missing_key_names_it(tmp_path):
+    text = (ROOT / "params.yaml").read_text()
+    assert "\n  top_k: 8" in text
+    (tmp_path / "params.yaml").write_text(text.replace("\n  top_k: 8", ""))
+    with pytest.raises(ParamsError, match=r"realm\.top_k: missing"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_a_preset_merged_at_load_time_is_refused(monkeypatch):
+    monkeypatch.setenv("RETRO_REALM_PRESETS", "params/paper.yaml")
+    with pytest.raises(ParamsError, match="invisible to DVC.*--preset"):
+        load_params(ROOT / "params.yaml")
 
 
 def test_warm_start_defaults_to_nothing_and_a_malformed_package_spec_names_the_key():

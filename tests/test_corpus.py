@@ -144,11 +144,86 @@ def test_skip_mode_reports_counts_in_the_data_card(tmp_path):
 def test_dedupe_counts_and_keeps_first():
     ps = [{"doc_id": "a", "title": "", "text": "Hello   world", "spans": []},
           {"doc_id": "b", "title": "", "text": "Hello world", "spans": []},     # same after normalising
-          {"doc_id": "a", "title": "", "text": "different text", "spans": []},  # duplicate id, new text
+          {"doc_id": "d", "title": "", "text": "different text", "spans": []},
           {"doc_id": "c", "title": "", "text": "  ", "spans": []}]
     out, stats = normalize_and_dedupe(ps)
-    assert [p["doc_id"] for p in out] == ["a", out[1]["doc_id"]] and out[1]["doc_id"].startswith("a~")
-    assert stats == {"input": 4, "duplicates_dropped": 1, "too_short_dropped": 1, "duplicate_ids_renamed": 1, "output": 2}
+    assert [p["doc_id"] for p in out] == ["a", "d"]  # ids are kept as the readers gave them
+    assert stats == {"input": 4, "duplicates_dropped": 1, "too_short_dropped": 1, "output": 2}
+
+
+# --------------------------------------------------------------------------------------------
+# corpus identity: a repeated id stops the stage naming both lines; a BOM is stripped
+# --------------------------------------------------------------------------------------------
+BOM = "\ufeff"
+
+
+def test_duplicate_id_stops_naming_both_lines(tmp_path):
+    f = _jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "first"}, {"id": "b", "text": "other"},
+                                      {"id": "a", "text": "a different text"}])
+    with pytest.raises(DataError) as e:
+        read_jsonl(f)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}:3: duplicate id 'a'") and "line 1" in msg and "fix:" in msg
+    with pytest.raises(DataError, match=r"c\.jsonl:3: duplicate id 'a'.*line 1"):
+        prepare_corpus(DataParams(source="jsonl", path=str(f)), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_duplicate_id_in_skip_mode_keeps_the_first_and_counts_the_later(tmp_path):
+    f = _jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "first"}, {"id": "a", "text": "second"},
+                                      {"id": "b", "text": "other"}, {"id": "a", "text": "first"}])
+    ps, rep = read_jsonl(f, on_error="skip")
+    assert [(p["doc_id"], p["text"]) for p in ps] == [("a", "first"), ("b", "other")]
+    assert rep.records_read == 2 and len(rep.skipped) == 2
+    assert rep.skipped[0].startswith(f"{f}:2: duplicate id 'a'") and "line 1" in rep.skipped[0]
+    card = prepare_corpus(DataParams(source="jsonl", path=str(f), on_error="skip"), tmp_path / "out")
+    assert card["passages"] == 2 and card["read"]["skipped"] == 2
+    rows = pq.read_table(tmp_path / "out/passages.parquet").to_pylist()
+    assert [(r["doc_id"], r["text"]) for r in rows] == [("a", "first"), ("b", "other")]
+
+
+def test_beir_duplicate_corpus_id_names_both_lines(tmp_path):
+    root = tmp_path / "beir"
+    root.mkdir()
+    _jsonl(root / "corpus.jsonl", [{"_id": "d0", "text": "zero"}, {"_id": "d1", "text": "one"}, {"_id": "d0", "text": "again"}])
+    with pytest.raises(DataError, match=r"corpus\.jsonl:3: duplicate _id 'd0': line 3 repeats the id of line 1"):
+        prepare_corpus(DataParams(source="beir", path=str(root)), tmp_path / "out")
+    card = prepare_corpus(DataParams(source="beir", path=str(root), on_error="skip"), tmp_path / "out")
+    assert card["passages"] == 2 and card["read"]["skipped"] == 1 and ":3: duplicate _id" in card["read"]["skipped_examples"][0]
+
+
+def test_duplicate_id_across_files_of_one_prefix_names_both_files(tmp_path):
+    from components.data.corpus import _read_s3_files
+
+    a = _jsonl(tmp_path / "a.jsonl", [{"id": "x", "text": "from a"}])
+    b = _jsonl(tmp_path / "b.jsonl", [{"id": "y", "text": "from b"}, {"id": "x", "text": "again"}])
+    p = DataParams(source="s3", path="s3://bucket/prefix")
+    with pytest.raises(DataError, match=rf"b\.jsonl:2: duplicate id 'x'.*{a}:1"):
+        _read_s3_files(p, [a, b])
+    data = _read_s3_files(p.model_copy(update={"on_error": "skip"}), [a, b])
+    assert [d["doc_id"] for d in data.passages] == ["x", "y"] and len(data.report.skipped) == 1
+
+
+@pytest.mark.parametrize("source, name, body", [
+    ("jsonl", "c.jsonl", '{"id": "a", "text": "first passage"}\n{"id": "b", "text": "second"}\n'),
+    ("txt", "c.txt", "first passage\n\nsecond\n"),
+])
+def test_a_utf8_bom_is_stripped(tmp_path, source, name, body):
+    f = tmp_path / name
+    f.write_bytes((BOM + body).encode("utf-8"))  # what Windows editors write ("UTF-8 with BOM")
+    card = prepare_corpus(DataParams(source=source, path=str(f)), tmp_path / "out")
+    rows = pq.read_table(tmp_path / "out/passages.parquet").to_pylist()
+    assert card["passages"] == 2 and rows[0]["text"] == "first passage" and BOM not in rows[0]["doc_id"]
+
+
+def test_a_bom_in_a_beir_folder_is_stripped(tmp_path):
+    root = tmp_path / "beir"
+    (root / "qrels").mkdir(parents=True)
+    (root / "corpus.jsonl").write_text(BOM + '{"_id": "d0", "text": "zero"}\n{"_id": "d1", "text": "one"}\n', encoding="utf-8")
+    (root / "queries.jsonl").write_text(BOM + '{"_id": "q0", "text": "which?"}\n', encoding="utf-8")
+    (root / "qrels/test.tsv").write_text(BOM + "query-id\tcorpus-id\tscore\nq0\td0\t1\n", encoding="utf-8")
+    card = prepare_corpus(DataParams(source="beir", path=str(root)), tmp_path / "out")
+    assert card["passages"] == 2 and sum(card["queries"].values()) == 1
 
 
 def test_failed_run_keeps_previous_output(tmp_path):

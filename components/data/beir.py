@@ -133,12 +133,15 @@ def _fields(lines: _Lines, lineno: int, obj: dict, *specs: tuple[str, type, bool
     return out
 
 
-def _check_id(lines: _Lines, lineno: int, key: str, value: str, seen: Collection[str]) -> bool:
+def _check_id(lines: _Lines, lineno: int, key: str, value: str, first_line: dict[str, int]) -> bool:
+    """A usable id not in `first_line` (id -> line of the record kept). Ids are the identity of
+    everything downstream, so a repeat names both lines (skip mode keeps the first)."""
     if not value.strip() or any(c in value for c in "\t\r\n"):
         lines.fail(lineno, f"{key} {value!r} is empty or contains a tab/newline", "use non-empty single-line ids")
         return False
-    if value in seen:
-        lines.fail(lineno, f"duplicate {key} {value!r}", "make ids unique (de-duplicate the file)")
+    if value in first_line:
+        lines.fail(lineno, f"duplicate {key} {value!r}: line {lineno} repeats the id of line {first_line[value]}",
+                   "give every record its own id (de-duplicate the file), or set data.on_error: skip to keep the first")
         return False
     return True
 
@@ -150,14 +153,16 @@ def read_corpus(path: str | os.PathLike, *, on_error: str = "raise", skipped: li
     """BEIR corpus.jsonl -> {doc_id: {"title", "text"}} in file order. `title` is optional ("")."""
     lines = _Lines(path, on_error, skipped, "BEIR corpus")
     corpus: dict[str, dict[str, str]] = {}
+    first_line: dict[str, int] = {}
     for lineno, obj in lines.json_objects():
         fields = _fields(lines, lineno, obj, ("_id", str, True), ("text", str, True), ("title", str, False))
         if fields is None:
             continue
         doc_id, text, title = fields
-        if not _check_id(lines, lineno, "_id", doc_id, corpus):
+        if not _check_id(lines, lineno, "_id", doc_id, first_line):
             continue
         corpus[doc_id] = {"title": title or "", "text": text}
+        first_line[doc_id] = lineno
     lines.done()
     return corpus
 
@@ -166,17 +171,19 @@ def read_queries(path: str | os.PathLike, *, on_error: str = "raise", skipped: l
     """BEIR queries.jsonl -> {query_id: text} in file order."""
     lines = _Lines(path, on_error, skipped, "BEIR queries")
     queries: dict[str, str] = {}
+    first_line: dict[str, int] = {}
     for lineno, obj in lines.json_objects():
         fields = _fields(lines, lineno, obj, ("_id", str, True), ("text", str, True))
         if fields is None:
             continue
         qid, text = fields
-        if not _check_id(lines, lineno, "_id", qid, queries):
+        if not _check_id(lines, lineno, "_id", qid, first_line):
             continue
         if not text.strip():
             lines.fail(lineno, f"query {qid!r} has empty text", "drop the query or give it text")
             continue
         queries[qid] = text
+        first_line[qid] = lineno
     lines.done()
     return queries
 
@@ -255,7 +262,7 @@ def read_qa(
     """
     lines = _Lines(path, on_error, skipped, "QA")
     out: list[dict] = []
-    seen: set[str] = set()
+    first_line: dict[str, int] = {}
     for lineno, obj in lines.json_objects():
         fields = _fields(lines, lineno, obj, ("question", str, True), ("answers", list, True), ("id", str, False),
                          ("positive_ctx", str, False), ("split", str, False))
@@ -263,7 +270,7 @@ def read_qa(
             continue
         question, answers, qa_id, pos, split = fields
         qa_id = qa_id if qa_id is not None else f"{lines.path.stem}-{lineno}"
-        if not _check_id(lines, lineno, "id", qa_id, seen):
+        if not _check_id(lines, lineno, "id", qa_id, first_line):
             continue
         if not question.strip():
             lines.fail(lineno, "empty question", "drop the line or give it a question")
@@ -280,7 +287,7 @@ def read_qa(
             row["positive_ctx"] = pos
         if split is not None:
             row["split"] = split
-        seen.add(qa_id)
+        first_line[qa_id] = lineno
         out.append(row)
     lines.done()
     return out

@@ -4,6 +4,10 @@ Every reader returns passages as dicts `{doc_id, title, text, spans}` plus a `Re
 Bad input raises `DataError` naming the file, the line and a fix; with `on_error="skip"` the
 bad lines are skipped and *counted* in the report (never dropped silently).
 
+Corpus ids are the identity of everything downstream (qrels, indexes, eval rows), so a second
+record under an id already read is bad input: it stops the stage naming both lines, and in skip
+mode the later record is skipped and counted. A UTF-8 BOM at the start of a file is stripped.
+
     python -m flows.prepare_corpus            # the stage, as dvc.yaml runs it
 """
 
@@ -20,7 +24,7 @@ from typing import Iterator
 from components.config import DataParams
 from components.data.errors import DataError
 
-Passage = dict  # {doc_id: str, title: str, text: str, spans: list[{start, end, label}]}
+Passage = dict  # {doc_id: str, title: str, text: str, spans: list[{start, end, label}]}, + `_at` from a file reader
 
 
 @dataclass
@@ -62,7 +66,8 @@ def iter_lines(path: Path, report: ReadReport, on_error: str) -> Iterator[tuple[
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
-                yield lineno, raw.decode("utf-8").rstrip("\r\n")
+                # utf-8-sig on line 1 drops the BOM that Windows editors write at the start of a file
+                yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
                 err = DataError(path, f"not valid UTF-8 at byte {e.start} of the line", line=lineno,
                                 fix="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or set data.on_error: skip")
@@ -77,6 +82,32 @@ def normalize_text(text: str) -> str:
     return " ".join(unicodedata.normalize("NFC", text).split())
 
 
+def drop_duplicate_ids(passages: list[Passage], report: ReadReport, on_error: str, unit: str = "line") -> list[Passage]:
+    """Keep the first record of each id; a later one raises naming both places, or is skipped and counted.
+
+    Each passage carries `_at = (file, line)` from its reader, so a repeat in a second file under
+    an s3:// prefix, or in an HF dataset (`unit="row"`), is named the same way.
+    """
+    first: dict[str, tuple[str, int]] = {}
+    out: list[Passage] = []
+    for p in passages:
+        path, line = p["_at"]
+        seen = first.get(p["doc_id"])
+        if seen is None:
+            first[p["doc_id"]] = (path, line)
+            out.append(p)
+            continue
+        earlier = f"{unit} {seen[1]}" if seen[0] == path else f"{seen[0]}:{seen[1]}"
+        err = DataError(path, f"duplicate id {p['doc_id']!r}: {unit} {line} repeats the id of {earlier}", line=line,
+                        fix="give every record its own id (ids name passages in qrels and indexes), "
+                            "or set data.on_error: skip to keep the first")
+        if on_error != "skip":
+            raise err
+        report.skip(err)
+    report.records_read = len(out)
+    return out
+
+
 def read_txt(path: str | Path, mode: str = "paragraph", on_error: str = "raise") -> tuple[list[Passage], ReadReport]:
     """`line`: one passage per non-empty line. `paragraph`: passages separated by blank lines."""
     path, report = Path(path), ReadReport()
@@ -86,7 +117,7 @@ def read_txt(path: str | Path, mode: str = "paragraph", on_error: str = "raise")
 
     def flush() -> None:
         if buf:
-            out.append({"doc_id": f"{path.stem}-{start}", "title": "", "text": " ".join(buf), "spans": []})
+            out.append({"doc_id": f"{path.stem}-{start}", "title": "", "text": " ".join(buf), "spans": [], "_at": (str(path), start)})
             buf.clear()
 
     for lineno, line in iter_lines(path, report, on_error):
@@ -94,7 +125,7 @@ def read_txt(path: str | Path, mode: str = "paragraph", on_error: str = "raise")
             flush()
             continue
         if mode == "line":
-            out.append({"doc_id": f"{path.stem}-{lineno}", "title": "", "text": line, "spans": []})
+            out.append({"doc_id": f"{path.stem}-{lineno}", "title": "", "text": line, "spans": [], "_at": (str(path), lineno)})
             continue
         if not buf:
             start = lineno
@@ -146,12 +177,13 @@ def read_jsonl(path: str | Path, text_field: str = "text", title_field: str | No
             "title": title if isinstance(title, str) else "",
             "text": text,
             "spans": [],
+            "_at": (str(path), lineno),
         })
-    report.records_read = len(out)
-    return out, report
+    return drop_duplicate_ids(out, report, on_error), report
 
 
-def read_hf(name_or_path: str, split: str, text_field: str, title_field: str | None, id_field: str | None) -> tuple[list[Passage], ReadReport]:
+def read_hf(name_or_path: str, split: str, text_field: str, title_field: str | None, id_field: str | None,
+            on_error: str = "raise") -> tuple[list[Passage], ReadReport]:
     """A `save_to_disk` folder (offline) or a hub dataset name (needs network)."""
     import datasets
 
@@ -173,9 +205,9 @@ def read_hf(name_or_path: str, split: str, text_field: str, title_field: str | N
             "title": str(rec.get(title_field) or "") if title_field else "",
             "text": rec[text_field] or "",
             "spans": [],
+            "_at": (name_or_path, i),
         })
-    report.records_read = len(out)
-    return out, report
+    return drop_duplicate_ids(out, report, on_error, unit="row"), report
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,13 +216,13 @@ def read_hf(name_or_path: str, split: str, text_field: str, title_field: str | N
 def normalize_and_dedupe(passages: list[Passage], min_chars: int = 1) -> tuple[list[Passage], dict]:
     """Normalise text, drop too-short passages, drop exact duplicates (by text hash); keep the first.
 
+    Ids are unique already (every reader refuses or skips a repeated id), so a passage keeps its id.
     Marked spans are kept only when normalisation leaves the text unchanged (offsets stay valid);
     the synthetic world emits normalised text, so its spans always survive.
     """
     seen: dict[str, str] = {}
     out: list[Passage] = []
-    ids: set[str] = set()
-    stats = {"input": len(passages), "duplicates_dropped": 0, "too_short_dropped": 0, "duplicate_ids_renamed": 0}
+    stats = {"input": len(passages), "duplicates_dropped": 0, "too_short_dropped": 0}
     for p in passages:
         text = normalize_text(p["text"])
         if len(text) < min_chars:
@@ -201,13 +233,8 @@ def normalize_and_dedupe(passages: list[Passage], min_chars: int = 1) -> tuple[l
             stats["duplicates_dropped"] += 1
             continue
         seen[h] = p["doc_id"]
-        doc_id = p["doc_id"]
-        if doc_id in ids:  # two different texts under one id: keep both, make the id unique
-            stats["duplicate_ids_renamed"] += 1
-            doc_id = f"{doc_id}~{h[:8]}"
-        ids.add(doc_id)
         spans = p.get("spans") or []
-        out.append({"doc_id": doc_id, "title": normalize_text(p.get("title") or ""), "text": text,
+        out.append({"doc_id": p["doc_id"], "title": normalize_text(p.get("title") or ""), "text": text,
                     "spans": spans if text == p["text"] else []})
     stats["output"] = len(out)
     return out, stats
@@ -254,7 +281,7 @@ def load_source(p: DataParams) -> SourceData:
         return read_beir_source(Path(p.path), p.on_error)
     if p.source == "hf":
         f = p.jsonl_fields
-        return SourceData(*read_hf(p.path, p.hf_split, f.text, f.title, f.id))
+        return SourceData(*read_hf(p.path, p.hf_split, f.text, f.title, f.id, p.on_error))
     if p.source == "s3":
         return _load_s3(p)
     raise DataError("params.yaml", f"unknown data.source {p.source!r}")  # unreachable: validated
@@ -277,7 +304,7 @@ def _load_s3(p: DataParams) -> SourceData:
         try:
             data = _read_s3_files(p, files)
         except DataError as e:
-            raise DataError(s3_name(e.path), e.problem, line=e.line, fix=e.fix) from None
+            raise DataError(s3_name(e.path), s3_name(e.problem), line=e.line, fix=e.fix) from None
         data.report.skipped = [s3_name(s) for s in data.report.skipped]
         data.report.files = [p.path]
         return data
@@ -299,9 +326,9 @@ def _read_s3_files(p: DataParams, files: list[Path]) -> SourceData:
         else:
             ps, r = read_txt(f, p.txt_mode, p.on_error)
         passages += ps
-        report.records_read += r.records_read
         report.skipped += r.skipped
-    return SourceData(passages, report)
+    # each file's ids are unique already; a prefix of several files must not repeat one across them
+    return SourceData(drop_duplicate_ids(passages, report, p.on_error), report)
 
 
 def read_beir_source(root: Path, on_error: str = "raise") -> SourceData:

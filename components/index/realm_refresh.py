@@ -160,6 +160,8 @@ class IndexRefresh:
             stats["refresh_seconds"] = time.perf_counter() - t0
             if child is not None:
                 child.set_tags({"rr.index_version": stats.get("version"), "rr.index_type": index.index_type})
+                if stats.get("version") is not None:  # the index files this run built: URI, sha256, size, blocks
+                    child.log_index_version(self.store.path(stats["version"]), stats["version"], len(index))
                 child.log_metrics_now({k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and v is not None}, step=step)
         return index, stats
 

@@ -302,11 +302,12 @@ def _encoder_of(model: nn.Module) -> nn.Module:
 
 
 def save_encoder(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike, *,
-                 sentence_transformers: bool = False, max_seq_length: int | None = None) -> Path:
+                 sentence_transformers: bool = True, max_seq_length: int | None = None) -> Path:
     """Write the encoder of `model` (RetroMAE / MLMModel / BiEncoder / a bare HF model) as an HF folder
     (safetensors, + tokenizer when given), loadable with AutoModel (and AutoModelForMaskedLM when it
-    has a head). `sentence_transformers`: also the files that make `SentenceTransformer(out_dir)`
-    load it as [CLS] pooling + dot product (`max_seq_length` defaults to the position table).
+    has a head). `sentence_transformers` (default): also the files that make `SentenceTransformer(out_dir)`
+    load it as [CLS] pooling + dot product, as the pipeline encodes (`max_seq_length` defaults to
+    the position table).
     Atomic: built in a temp sibling and swapped in (`components.io.atomic_dir`)."""
     encoder = _encoder_of(model)
     with atomic_dir(out_dir) as tmp:

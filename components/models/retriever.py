@@ -6,7 +6,9 @@
     scores = q @ z.T                             # (B, N)  inner products: what the MIPS index ranks
 
 Towers are shared by default (`share_towers`, the released code's `share_embedders`); untied =
-two independent copies. Saved as an HF encoder folder per tower plus `retriever_config.json`.
+two independent copies. Saved as an HF encoder folder per tower plus `retriever_config.json`,
+and as a sentence-transformers model of the query tower ([CLS] pooling, the projection as a Dense
+module, dot product): `SentenceTransformer("models/realm/retriever").encode(texts)` == encode_query.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 from transformers import BertConfig, BertModel
 
 from components.io import atomic_dir, write_json_atomic
-from components.models.encoder import load_encoder
+from components.models.encoder import load_encoder, write_sentence_transformers_config
 
 RETRIEVER_CONFIG = "retriever_config.json"
 
@@ -102,11 +104,16 @@ class Retriever(nn.Module):
             return cls(q_enc, q_proj)
         return cls(q_enc, q_proj, *tower("passage"))
 
-    def save_pretrained(self, path: str | os.PathLike) -> Path:
+    def save_pretrained(self, path: str | os.PathLike, tokenizer=None) -> Path:
         """Write `path/` atomically: query_encoder/ (HF folder, safetensors) + query_projection.safetensors,
-        and passage_encoder/ + passage_projection.safetensors when the towers are untied."""
+        and passage_encoder/ + passage_projection.safetensors when the towers are untied; plus the
+        sentence-transformers files of the query tower (`write_sentence_transformers_retriever`).
+        `tokenizer`: saved in `path/` and in query_encoder/ (where sentence-transformers reads it)."""
         with atomic_dir(path) as tmp:
             self._write(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+                tokenizer.save_pretrained(str(tmp / "query_encoder"))
         return Path(path)
 
     def _write(self, folder: Path) -> None:
@@ -118,6 +125,7 @@ class Retriever(nn.Module):
             save_file({k: v.detach().contiguous().cpu() for k, v in proj.state_dict().items()},
                       str(folder / f"{name}_projection.safetensors"))
         write_json_atomic(folder / RETRIEVER_CONFIG, {"retriever_dim": self.retriever_dim, "share_towers": self.share_towers})
+        write_sentence_transformers_retriever(folder, self.query_encoder, self.query_projection)
 
     # -- towers ------------------------------------------------------------------------------------
     @property
@@ -152,6 +160,41 @@ class Retriever(nn.Module):
 
 
 @torch.inference_mode()
+def write_sentence_transformers_retriever(folder: Path, encoder: nn.Module, projection: nn.Linear,
+                                          tower: str = "query_encoder") -> None:
+    """modules.json: Transformer (`tower`/) -> [CLS] Pooling -> Dense (the projection, no
+    activation), similarity dot: the embedding Embed_input(x) = W_proj BERT_CLS(x). The Dense
+    weights are a copy of `<tower>_projection.safetensors` (a few KB), in sentence-transformers' layout."""
+    hidden, dim = projection.in_features, projection.out_features
+    write_sentence_transformers_config(folder / tower, hidden, encoder.config.max_position_embeddings)
+    for name in ("modules.json", "1_Pooling", "config_sentence_transformers.json"):  # the model's, not the module's
+        (folder / tower / name).replace(folder / name)
+    write_json_atomic(folder / "modules.json", [
+        {"idx": 0, "name": "0", "path": tower, "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    ])
+    write_json_atomic(folder / "2_Dense" / "config.json", {
+        "in_features": hidden, "out_features": dim, "bias": projection.bias is not None,
+        "activation_function": "torch.nn.modules.linear.Identity"})
+    save_file({f"linear.{k}": v.detach().contiguous().cpu() for k, v in projection.state_dict().items()},
+              str(folder / "2_Dense" / "model.safetensors"))
+
+
+def copy_tokenizer_into_tower(folder: str | os.PathLike, tower: str = "query_encoder") -> None:
+    """A retriever folder whose tokenizer was saved at its root only: a copy in `tower`/, where
+    sentence-transformers reads it (a no-op when `save_pretrained` got the tokenizer)."""
+    import shutil
+
+    folder = Path(folder)
+    if not (folder / tower).is_dir() or (folder / tower / "tokenizer_config.json").exists():
+        return
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (folder / name).is_file():
+            shutil.copy2(folder / name, folder / tower / name)
+
+
+@torch.no_grad()  # vectors to search with, never trained through: also safe when called outside inference_mode
 def encode_queries(retriever: Retriever, x: dict[str, torch.Tensor], batch_size: int = 256) -> np.ndarray:
     """Query vectors (Q, d) float32 of `x_input_ids` / `x_attention_mask` (Q, Lx), in eval mode
     (what the index is searched with: the probes, the staleness queries)."""

@@ -36,6 +36,7 @@ from components.data.beir import load_beir, read_qa
 from components.data.tokenize import load_tokenizer, split_retrieval_blocks, tokenize_passages
 from components.eval.comparisons import paper_comparisons, per_query_path, run_comparisons
 from components.eval.dense import HFEncoder, dense_run, sentence_transformers_mode
+from components.eval.headline import write_headline
 from components.eval.metrics import exact_match, f1, qa_metrics, retrieval_metrics
 from components.eval.report import report_markdown, write_report
 from components.io import write_json_atomic, write_jsonl_atomic, write_text_atomic
@@ -275,6 +276,7 @@ def evaluate(params: Params, run=None) -> dict:
     for r in rows:
         table.setdefault(r["dataset"], {})[r["system"]] = {k: v for k, v in r.items() if k not in ("dataset", "system")}
     write_json_atomic(METRICS / "eval.json", {**table, "split": params.evaluate.split, "comparisons": comparisons})
+    write_headline(METRICS / "headline", table, params.evaluate.recall_at, METRICS)  # what `dvc metrics show` prints
     report = report_markdown(rows, title, comparisons)
     print(report)
     return {"rows": rows, "table": table, "comparisons": comparisons, "report": report}

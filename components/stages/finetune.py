@@ -109,7 +109,8 @@ def _finetune_one(params: Params, run, tokenizer, name: str, folder, pairs, corp
     ckpt = checkpoint_dir(f"finetune_retrieval_{name}", params, ["finetune", "warm_start", *_START_SECTIONS[name]])
     trainer = Trainer(model, rows, collate, ft.train, params.compute, ckpt,
                       log_fn=prefixed(RankZeroLogger(run), f"retrieval.{name}."),
-                      log_every=params.tracking.log_every, param_prefix="finetune.train")
+                      log_every=params.tracking.log_every, param_prefix="finetune.train",
+                      progress_every=params.tracking.progress_every)
     result = trainer.fit()
     if D.is_rank0():
         trainer.raw_model.save_pretrained(RETRIEVER_OUT / name, tokenizer, max_seq_length=ft.passage_len)
@@ -170,7 +171,8 @@ def gold_reader(params: Params, run, tokenizer, blocks, qa: list[dict]) -> tuple
     ckpt = checkpoint_dir("finetune_qa_gold", params, ["finetune", "warm_start", "realm"])
     trainer = Trainer(model, rows, QACollator.from_params(tokenizer, blocks, None, ft, top_k=1), train, params.compute,
                       ckpt, log_fn=prefixed(RankZeroLogger(run), "qa.gold."), log_every=params.tracking.log_every,
-                      param_prefix="finetune.qa_gold", lr_groups=reader_lr_groups(params))
+                      param_prefix="finetune.qa_gold", lr_groups=reader_lr_groups(params),
+                      progress_every=params.tracking.progress_every)
     result = trainer.fit()
     state = {k: v.detach().clone() for k, v in trainer.raw_model.reader.state_dict().items()}
     return state, {"qa.gold.questions": len(rows), "qa.gold.steps": result.step,
@@ -220,7 +222,8 @@ def _finetune_reader(params: Params, run, tokenizer, system: str, blocks, qa: li
                       log_fn=prefixed(RankZeroLogger(run), f"qa.{system}."),
                       log_every=params.tracking.log_every, param_prefix="finetune.qa_train",
                       # a batch without block_embeddings (uniform p(z|x)) never runs the query tower
-                      find_unused_parameters=True, lr_groups=reader_lr_groups(params))
+                      find_unused_parameters=True, lr_groups=reader_lr_groups(params),
+                      progress_every=params.tracking.progress_every)
     result = trainer.fit()
     if D.is_rank0():
         trainer.raw_model.save_pretrained(OPEN_QA_OUT / system, tokenizer)

@@ -186,7 +186,8 @@ def train_realm(
 
     trainer = Trainer(model, train_rows, collator, train, params.compute, ckpt_root, log_fn=recorder,
                       hooks={"on_train_start": on_train_start, "on_step_end": refresh.on_step_end},
-                      log_every=params.tracking.log_every, param_prefix="realm.train")
+                      log_every=params.tracking.log_every, param_prefix="realm.train",
+                      progress_every=params.tracking.progress_every)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.precision)
     refresh.ctx.amp_dtype = amp  # index embeddings in the precision REALM's rescoring runs in
     try:
@@ -245,7 +246,7 @@ def train_realm(
     # outputs, each written atomically
     store.set_current(final_index.version)  # CURRENT on disk = the final version (cheap: once, at the end)
     with atomic_dir(out_dir) as tmp:
-        trainer.raw_model.retriever.save_pretrained(tmp / "retriever")
+        trainer.raw_model.retriever.save_pretrained(tmp / "retriever", tokenizer)
         tokenizer.save_pretrained(str(tmp / "retriever"))
         trainer.raw_model.knowledge_augmented_encoder.save_pretrained(tmp / "knowledge_augmented_encoder")
         tokenizer.save_pretrained(str(tmp / "knowledge_augmented_encoder"))

@@ -80,7 +80,8 @@ def head_warmup(model, data, collate, params: Params, out_dir: Path, log_fn=None
     with frozen_encoder_body(model) as trainable:
         log.info("head warm-up: %d steps at lr %g, encoder body frozen; training %s", train.max_steps, train.lr, ", ".join(trainable))
         trainer = Trainer(model, data, collate, train, params.compute, out_dir, log_fn=prefixed(log_fn, "head_warmup_"),
-                          log_every=params.tracking.log_every, param_prefix="warm_start.head_warmup", schedule="constant")
+                          log_every=params.tracking.log_every, param_prefix="warm_start.head_warmup", schedule="constant",
+                          progress_every=params.tracking.progress_every)
         return trainer.fit()
 
 
@@ -128,7 +129,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
                 "head_warmup_seconds": round(res.elapsed_s, 2), **{f"head_warmup_final_{k}": v for k, v in res.metrics.items()}}
     trainer = Trainer(model, data, collate, sec.train, params.compute, ckpt_root,
                       log_fn=log_fn, log_every=params.tracking.log_every, param_prefix="retromae.train",
-                      lr_groups=head_lr_groups(model, params))
+                      lr_groups=head_lr_groups(model, params), progress_every=params.tracking.progress_every)
     result = trainer.fit()
     summary = {"step": result.step, "bad_steps": result.bad_steps, "resumed_from": result.resumed_from or 0,
                "train_seconds": round(result.elapsed_s, 2), **{f"final_{k}": v for k, v in result.metrics.items()},

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
+import logging
 import os
 import random
 import sys
@@ -54,6 +55,8 @@ from components.training import checkpoint as ckpt
 from components.training import distributed as D
 
 LogFn = Callable[[dict[str, float], int], Any]
+
+log = logging.getLogger(__name__)
 
 
 def prefixed(log_fn: LogFn | None, prefix: str) -> LogFn | None:
@@ -158,6 +161,27 @@ def micro_batch_size(train: TrainParams, world_size: int, prefix: str = "train")
             f"pick {prefix}.batch_size as a multiple of {div}"
         )
     return train.batch_size // div
+
+
+def format_duration(seconds: float) -> str:
+    """4s, 3m05s, 2h07m: an ETA that reads at a glance."""
+    s = int(round(max(0.0, seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_line(prefix: str, step: int, max_steps: int, metrics: Mapping[str, float], eta_s: float) -> str:
+    """`realm.train step 50/200 (25%) loss 3.2104 tokens/s 1234 eta 1m20s`: what the progress log says."""
+    loss = metrics.get("loss")
+    parts = [f"{prefix} step {step}/{max_steps} ({100 * step // max(1, max_steps)}%)",
+             f"loss {loss:.4f}" if loss is not None else "loss n/a"]
+    if "tokens_per_s" in metrics:
+        parts.append(f"tokens/s {metrics['tokens_per_s']:.0f}")
+    parts.append(f"eta {format_duration(eta_s)}")
+    return " ".join(parts)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -320,15 +344,20 @@ class Trainer:
         progress: bool = True,
         lr_groups: Sequence[LrGroup] = (),
         schedule: str = "linear",
+        progress_every: int | None = None,
     ):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1 (got {log_every})")
+        if progress_every is not None and progress_every < 0:
+            raise ValueError(f"progress_every must be >= 0 (got {progress_every})")
         self.train, self.compute = train, compute
         self.out_dir = Path(out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.log_fn, self.log_every, self.prefix = log_fn, log_every, param_prefix
         self.hooks = Hooks.coerce(hooks)
         self.progress = progress
+        # tracking.progress_every; None: about ten lines a run. 0: no progress lines.
+        self.progress_every = max(1, train.max_steps // 10) if progress_every is None else progress_every
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; known: {SCHEDULES}")
         self.schedule, self.lr_groups = schedule, tuple(lr_groups)
@@ -391,6 +420,7 @@ class Trainer:
         )  # fmt: skip
         self._reset_window()
         self.raw_model.train()
+        first_step, t_loop = self.step, time.perf_counter()
         try:
             while self.step < self.train.max_steps:
                 self._train_step(batches)
@@ -399,6 +429,8 @@ class Trainer:
                 if self.step % self.log_every == 0 or self.step == self.train.max_steps:
                     self._log()
                     pbar.set_postfix(loss=f"{self.last_metrics.get('loss', float('nan')):.4f}")
+                if self._progress_due(first_step):
+                    self._log_progress(first_step, t_loop)
                 if self.step % self.train.checkpoint_every == 0 or self.step == self.train.max_steps:
                     self.save_checkpoint()
                 for fn in self.hooks.on_step_end:
@@ -406,6 +438,23 @@ class Trainer:
         finally:
             pbar.close()
         return self._result(t_start)
+
+    def _progress_due(self, first_step: int) -> bool:
+        # the first step too: a slow loop says at once that it started, and how fast it goes
+        every = self.progress_every
+        return bool(every) and self.is_rank0 and (
+            self.step % every == 0 or self.step == self.train.max_steps or self.step == first_step + 1)
+
+    def _log_progress(self, first_step: int, t_loop: float) -> None:
+        """One INFO line through `logging` (a non-TTY terminal, the Prefect flow-run log, torchrun's
+        rank 0 output); `extra["rr_progress"]` carries the numbers for handlers that want them."""
+        done = self.step - first_step
+        per_step = (time.perf_counter() - t_loop) / max(1, done)
+        eta = per_step * (self.train.max_steps - self.step)
+        info = {"prefix": self.prefix, "step": self.step, "max_steps": self.train.max_steps, "eta_s": eta,
+                "loss": self.last_metrics.get("loss"), "tokens_per_s": self.last_metrics.get("tokens_per_s")}
+        log.info("%s", progress_line(self.prefix, self.step, self.train.max_steps, self.last_metrics, eta),
+                 extra={"rr_progress": info})
 
     def _result(self, t_start: float) -> TrainResult:
         if self.last_checkpoint is None and self.step > 0:
@@ -622,10 +671,12 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "autocast_for",
+    "format_duration",
     "lr_at",
     "micro_batch_size",
     "mix_seed",
     "param_groups",
+    "progress_line",
     "resolve_precision",
     "seed_everything",
     "to_device",

@@ -46,7 +46,8 @@ def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_
     p = params.realm
     train = phase_params(p.train, steps, lr, batch_size=batch_size)
     trainer = Trainer(model, rows, collator, train, params.compute, out_dir, log_fn=prefixed(log_fn, f"{name}_"),
-                      log_every=params.tracking.log_every, param_prefix=f"realm.{name}", progress=False)
+                      log_every=params.tracking.log_every, param_prefix=f"realm.{name}", progress=False,
+                      progress_every=params.tracking.progress_every)
     result = trainer.fit()
     return {f"{name}_steps": result.step, **{f"{name}_final_{k}": v for k, v in result.metrics.items() if k in report}}
 

@@ -1,0 +1,148 @@
+"""What runs is what DVC sees: a preset is written into params.yaml (so `dvc status` lists exactly
+the stages whose values change), `dvc exp run -S` keeps params.yaml's comments, and the content
+behind `data.path` (a local file, an S3 object) is a dependency of prepare_corpus.
+
+The fast tests record a dvc.lock over stand-in outputs (`dvc commit`), so `dvc status` compares
+params and deps without training anything; the slow ones run the real stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.pipeline import apply_param_overrides, preset_overrides, set_params_args
+from tests.conftest import ROOT, make_workspace
+
+ALWAYS = "source_digest"  # always_changed: it re-reads the source on every status / repro
+
+
+def _dvc(ws: Path, *args: str, env: dict | None = None) -> str:
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**(env or os.environ), "PATH": venv_bin + os.pathsep + os.environ["PATH"]}
+    out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=ws, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"dvc {' '.join(args)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def _stale(ws: Path, env: dict | None = None) -> set[str]:
+    return set(json.loads(_dvc(ws, "status", "--json", env=env) or "{}")) - {ALWAYS}
+
+
+def _stand_in_outputs(ws: Path) -> None:
+    """A file or folder at every out / metrics / plots path of dvc.yaml, then dvc.lock over them."""
+    spec = yaml.safe_load((ws / "dvc.yaml").read_text())["stages"]
+    for name, st in spec.items():
+        if name == ALWAYS:
+            continue
+        for key in ("outs", "metrics", "plots"):
+            for entry in st.get(key, []):
+                path = ws / (next(iter(entry)) if isinstance(entry, dict) else entry)
+                if path.suffix:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text("{}\n" if path.suffix == ".json" else "step,value\n0,0\n")
+                else:
+                    path.mkdir(parents=True, exist_ok=True)
+                    (path / "stand_in.txt").write_text(name)
+
+
+def _locked_workspace(tmp_path: Path, overrides: dict | None = None, env: dict | None = None) -> Path:
+    ws = make_workspace(tmp_path / "ws", overrides)
+    _stand_in_outputs(ws)
+    _dvc(ws, "repro", ALWAYS, env=env)  # the digest of the source, as a real run computes it first
+    _dvc(ws, "commit", "--force", env=env)
+    assert _stale(ws, env) == set()
+    return ws
+
+
+def _declared(spec: dict) -> dict[str, list[str]]:
+    return {name: [next(iter(p)) if isinstance(p, dict) else p for p in st.get("params", [])] for name, st in spec.items()}
+
+
+def _get(raw: dict, dotted: str):
+    for k in dotted.split("."):
+        raw = raw.get(k) if isinstance(raw, dict) else None
+    return raw
+
+
+@pytest.mark.parametrize("preset, expected", [
+    ("paper", {"tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune", "evaluate"}),
+    ("small", {"prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune", "evaluate"}),
+])
+def test_a_preset_switch_dirties_exactly_the_stages_whose_values_change(tmp_path, preset, expected):
+    ws = _locked_workspace(tmp_path)
+    before = yaml.safe_load((ws / "params.yaml").read_text())
+    apply_param_overrides(preset_overrides(str(ws / "params" / f"{preset}.yaml")), path=str(ws / "params.yaml"))
+    after = yaml.safe_load((ws / "params.yaml").read_text())
+    spec = yaml.safe_load((ws / "dvc.yaml").read_text())["stages"]
+    changed = {s for s, keys in _declared(spec).items() if any(_get(before, k) != _get(after, k) for k in keys)}
+    assert changed == expected  # the oracle: which declared values the preset changes
+    assert _stale(ws) == expected
+    # switching back (git checkout of params.yaml) makes every stage clean again
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=ws, check=True)
+    assert _stale(ws) == set()
+
+
+def test_set_param_keeps_every_comment_and_changes_only_the_lines_it_sets(tmp_path):
+    """The same code as `dvc exp run -S` (DVC's apply_overrides); the slow test runs the CLI itself."""
+    f = tmp_path / "params.yaml"
+    f.write_text((ROOT / "params.yaml").read_text())
+    before = f.read_text().splitlines()
+    apply_param_overrides({"retromae.train.max_steps": 61, "realm.top_k": 7}, path=str(f))
+    after = f.read_text().splitlines()
+    assert len(after) == len(before)
+    diff = [(a, b) for a, b in zip(before, after) if a != b]
+    assert [b.strip() for _, b in diff] == ["max_steps: 61", "top_k: 7"], diff
+    assert [l for l in after if "#" in l] == [l for l in before if "#" in l]
+
+
+def test_set_params_args_are_what_dvc_exp_run_takes():
+    assert set_params_args({"a.b": 1, "c": None, "d": "package:x/y", "e": [1, "z"], "f": True, "g": 3e-05}) == [
+        "a.b=1", "c=null", "d='package:x/y'", "e=[1,'z']", "f=true", "g=3e-05"]
+
+
+def test_a_local_corpus_edit_dirties_prepare_corpus(tmp_path):
+    corpus = tmp_path / "ws" / "corpus" / "c.jsonl"
+    corpus.parent.mkdir(parents=True)
+    corpus.write_text('{"id": "a", "text": "first passage"}\n')
+    ws = _locked_workspace(tmp_path, {"data.source": "jsonl", "data.path": "corpus/c.jsonl"})
+    _dvc(ws, "repro", ALWAYS)
+    assert _stale(ws) == set()  # same content: the digest file keeps its bytes
+    corpus.write_text('{"id": "a", "text": "first passage, edited"}\n')
+    _dvc(ws, "repro", ALWAYS)
+    assert _stale(ws) == {"prepare_corpus"}
+
+
+@pytest.mark.servers
+def test_an_s3_object_change_dirties_prepare_corpus(tmp_path, s3_server):
+    bucket = s3_server.buckets["data"]
+    s3 = s3_server.client()
+    s3.put_object(Bucket=bucket, Key="rr-digest/c.jsonl", Body=b'{"id": "a", "text": "first passage"}\n')
+    env = {**os.environ, **s3_server.env}
+    ws = _locked_workspace(tmp_path, {"data.source": "s3", "data.path": f"s3://{bucket}/rr-digest/"}, env=env)
+    card = json.loads((ws / "data/source.json").read_text())
+    assert card["files"] == 1 and card["kind"].startswith("s3")
+    s3.put_object(Bucket=bucket, Key="rr-digest/c.jsonl", Body=b'{"id": "a", "text": "changed on S3"}\n')
+    _dvc(ws, "repro", ALWAYS, env=env)
+    assert _stale(ws, env) == {"prepare_corpus"}
+
+
+@pytest.mark.slow
+def test_dvc_exp_run_set_param_keeps_comments_and_the_lock_holds_what_ran(tmp_path, shared_prefect_api):
+    ws = make_workspace(tmp_path / "ws")
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_api, "MLFLOW_TRACKING_URI": f"sqlite:///{ws}/mlflow.db",
+           "RR_PARENT_RUN_ID": ""}
+    before = (ws / "params.yaml").read_text().splitlines()
+    _dvc(ws, "exp", "run", "-S", "tokenize.vocab_size=420", "tokenize", env=env)
+    after = (ws / "params.yaml").read_text().splitlines()
+    assert [l for l in after if "#" in l] == [l for l in before if "#" in l]
+    assert [(a, b) for a, b in zip(before, after) if a != b] == [("  vocab_size: 400", "  vocab_size: 420")]
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    assert lock["tokenize"]["params"]["params.yaml"]["tokenize"]["vocab_size"] == 420
+    assert "prepare_corpus" in lock and _stale(ws, env) == set()
