@@ -63,7 +63,7 @@ def main() -> None:
         def run():
             model.eval()
             with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                return cls_pool(model(input_ids=ids, attention_mask=mask).last_hidden_state).float()
+                return cls_pool(model, ids, mask).float()
         return run
 
     for fn in (step("fp32"), step("bf16"), infer("fp32"), infer("bf16")):

@@ -138,8 +138,15 @@ def s3_prefix(run) -> str:
 
 
 def flow_run_logs(api: str, flow_run_id: str, limit: int = 200) -> str:
-    logs = http_json("POST", f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
-                                                     "sort": "TIMESTAMP_DESC", "limit": limit})
+    """The newest `limit` log lines of a flow run, oldest first (the API pages at most 200 at a time)."""
+    logs: list[dict] = []
+    while len(logs) < limit:
+        page = http_json("POST", f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                                         "sort": "TIMESTAMP_DESC", "offset": len(logs),
+                                                         "limit": min(200, limit - len(logs))})
+        logs += page
+        if len(page) < 200:
+            break
     return "\n".join(entry["message"] for entry in reversed(logs))
 
 
@@ -334,8 +341,9 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
     wanted = {s: dict(m) for s, m in STAGE_MODELS.items() if s in by_stage}
     if "finetune" in by_stage:
         ft = params.finetune
-        wanted["finetune"] = {**{f"ft-{n}-retriever": "sentence_transformers" for n in ft.retrieval_inits},
-                              **{f"qa-{q}-reader": "transformers" for q in ft.qa_systems}}
+        # the QA readers are not logged models: MLflow's transformers flavor needs the
+        # question-answering pipeline, which transformers 5 removed (a warning, not a failure)
+        wanted["finetune"] = {f"ft-{n}-retriever": "sentence_transformers" for n in ft.retrieval_inits}
     models = {m.name: m for m in client.search_logged_models([exp.experiment_id], max_results=1000)
               if m.tags.get("rr.pipeline_run") == parent.info.run_id}
     for stage, names in wanted.items():
@@ -361,12 +369,12 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
         ev_id = by_stage["evaluate"].info.run_id
         for name in ("retromae-encoder", f"ft-{params.tracking.registry_start}-retriever"):
             metrics = client.get_logged_model(models[name].model_id).metrics
-            assert metrics and all(m.run_id == ev_id for m in metrics), name
+            assert any(m.run_id == ev_id for m in metrics), name  # beside its own training run's metrics
     if "pretrain_realm" in by_stage:
-        refreshes = [r for r in deployed.runs() if r.data.tags.get("mlflow.parentRunId") == by_stage["pretrain_realm"].info.run_id]
+        refreshes = [r for r in deployed.runs() if r.data.tags.get("mlflow.parentRunId") == by_stage["pretrain_realm"].info.run_id
+                     and r.data.tags.get("rr.kind") == "refresh_index"]
         with_refs = [r for r in refreshes if r.data.tags.get("rr.index.sha256")]
-        if not with_refs:  # needs the one line in components/index/realm_refresh.py (see the report of issue 17)
-            print("[deployment] refresh runs carry no index reference yet (realm_refresh.py does not call log_index_version)")
+        assert refreshes and len(with_refs) == len(refreshes)  # every index version is referenced on its run
         for r in with_refs:
             assert {"rr.index.uri", "rr.index.bytes", "rr.index.blocks"} <= set(r.data.tags)
 
@@ -466,7 +474,8 @@ def test_deployment_runs_pipeline_tracks_in_mlflow_s3_and_round_trips_dvc_remote
     TIMINGS["dvc_pull_s"] = round(time.monotonic() - t0, 1)
     after = md5_tree(out_paths, ws)
     assert after == before, sorted(set(before.items()) ^ set(after.items()))[:10]
-    assert "up to date" in deployed.dvc("status", *STAGES)  # the pulled outputs match dvc.lock
+    # the pulled outputs match dvc.lock (source_digest is "always changed" by design: it re-reads the corpus)
+    assert "up to date" in deployed.dvc("status", *[s for s in STAGES if s != "source_digest"])
     print(f"\n[deployment] upto={UPTO} stages={STAGES} timings={TIMINGS}")
 
 

@@ -145,4 +145,5 @@ def test_dvc_exp_run_set_param_keeps_comments_and_the_lock_holds_what_ran(tmp_pa
     assert [(a, b) for a, b in zip(before, after) if a != b] == [("  vocab_size: 400", "  vocab_size: 420")]
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     assert lock["tokenize"]["params"]["params.yaml"]["tokenize"]["vocab_size"] == 420
-    assert "prepare_corpus" in lock and _stale(ws, env) == set()
+    # what ran is up to date; only the stages downstream of tokenize, never run here, are stale
+    assert "prepare_corpus" in lock and not _stale(ws, env) & {"prepare_corpus", "tokenize"}
