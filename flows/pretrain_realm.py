@@ -16,7 +16,6 @@ from typing import Callable
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from components.models.retriever import copy_tokenizer_into_tower
 from components.paths import REALM_OUT, RETROMAE_ENCODER, TOKENS
 from components.stages.pretrain_realm import train_realm
 from flows._torchrun import run_training
@@ -43,7 +42,6 @@ def prefect_refresh_wrapper(body: Callable[..., dict], *, step: int, reason: str
 def train(params, run) -> dict:
     summary = run_training(STAGE, "components.stages.pretrain_realm", params, run,
                            lambda p, r: train_realm(p, r, refresh_wrapper=prefect_refresh_wrapper))
-    copy_tokenizer_into_tower(REALM_OUT / "retriever")  # where sentence-transformers reads it
     return summary
 
 

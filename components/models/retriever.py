@@ -181,19 +181,6 @@ def write_sentence_transformers_retriever(folder: Path, encoder: nn.Module, proj
               str(folder / "2_Dense" / "model.safetensors"))
 
 
-def copy_tokenizer_into_tower(folder: str | os.PathLike, tower: str = "query_encoder") -> None:
-    """A retriever folder whose tokenizer was saved at its root only: a copy in `tower`/, where
-    sentence-transformers reads it (a no-op when `save_pretrained` got the tokenizer)."""
-    import shutil
-
-    folder = Path(folder)
-    if not (folder / tower).is_dir() or (folder / tower / "tokenizer_config.json").exists():
-        return
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
-        if (folder / name).is_file():
-            shutil.copy2(folder / name, folder / tower / name)
-
-
 @torch.no_grad()  # vectors to search with, never trained through: also safe when called outside inference_mode
 def encode_queries(retriever: Retriever, x: dict[str, torch.Tensor], batch_size: int = 256) -> np.ndarray:
     """Query vectors (Q, d) float32 of `x_input_ids` / `x_attention_mask` (Q, Lx), in eval mode

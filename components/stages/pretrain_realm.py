@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from components import paths
 from components.config import Params
@@ -188,8 +187,7 @@ def train_realm(
                       hooks={"on_train_start": on_train_start, "on_step_end": refresh.on_step_end},
                       log_every=params.tracking.log_every, param_prefix="realm.train",
                       progress_every=params.tracking.progress_every)
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.precision)
-    refresh.ctx.amp_dtype = amp  # index embeddings in the precision REALM's rescoring runs in
+    refresh.ctx.amp_dtype = trainer.amp_dtype  # index embeddings in the precision REALM's rescoring runs in
     try:
         result = trainer.fit()
         timing = refresh.finish(trainer)
@@ -246,8 +244,7 @@ def train_realm(
     # outputs, each written atomically
     store.set_current(final_index.version)  # CURRENT on disk = the final version (cheap: once, at the end)
     with atomic_dir(out_dir) as tmp:
-        trainer.raw_model.retriever.save_pretrained(tmp / "retriever", tokenizer)
-        tokenizer.save_pretrained(str(tmp / "retriever"))
+        trainer.raw_model.retriever.save_pretrained(tmp / "retriever", tokenizer)  # + its tokenizer, root and query tower
         trainer.raw_model.knowledge_augmented_encoder.save_pretrained(tmp / "knowledge_augmented_encoder")
         tokenizer.save_pretrained(str(tmp / "knowledge_augmented_encoder"))
         write_json_atomic(tmp / REALM_CONFIG, {"marginalization": trainer.raw_model.marginalization})

@@ -193,12 +193,15 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a resolved precision -> its autocast dtype (fp32: none)
+
+
 def autocast_for(precision: str, device: torch.device | str):
     """The mixed-precision context of `compute.precision` on `device`, for forward passes outside
     the Trainer (embedding blocks, evaluation); a no-op for fp32. bf16 autocast runs on CPUs too:
     with AVX512-BF16 / AMX a BERT forward is ~2.5x faster than fp32."""
     device = torch.device(device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolve_precision(precision, device))
+    dtype = AMP_DTYPES.get(resolve_precision(precision, device))
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
 
 
@@ -388,7 +391,7 @@ class Trainer:
             fused=self.device.type in ("cuda", "cpu"),
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self._amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        self.amp_dtype = AMP_DTYPES.get(self.precision)  # None: fp32
 
         self.step = 0
         self.bad_steps = 0
@@ -484,9 +487,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _autocast(self):
-        if self._amp_dtype is None:
+        if self.amp_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self._amp_dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def _train_step(self, batches) -> None:
         try:
