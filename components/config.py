@@ -336,6 +336,14 @@ class FinetuneParams(_Section):
                                "fine-tuning over each system's top k; run once and shared by every system, as it uses "
                                "no retriever; 0 = ORQA's recipe (top k only)")
     qa_gold_batch_size: int = Field(ge=1, description="questions per step of that phase (one paragraph each)")
+    # ORQA (Lee et al. 2019, sec. 3-4; language/orqa/models/orqa_model.py): each step searches the frozen index
+    qa_retrieval_beam: int = Field(ge=1, description="blocks the current query tower retrieves each step for the "
+                                   "retrieval (early update) loss; the reader reads the first qa_top_k")
+    span_scorer: Literal["linear", "mlp"] = Field(description="linear: start + end logits; mlp: ORQA's "
+                                                  "w . LN(ReLU(W [h_start; h_end]))")
+    span_hidden: int = Field(ge=1, description="hidden units of the mlp span scorer")
+    span_softmax: Literal["per_block", "joint"] = Field(description="per_block: p(z|x) p(s|x,z); joint: one "
+                                                        "softmax over every (block, span) with the retrieval score added")
     # a tiny encoder trained for tens of steps needs far higher rates than BERT-base's 2e-5 / 1e-5 (paper.yaml)
     train: TrainParams
     qa_train: TrainParams
@@ -347,6 +355,9 @@ class FinetuneParams(_Section):
                 raise ValueError(f"finetune.{key}={names}: each name at most once (one output folder each)")
         if "pretrained" in self.retrieval_inits and not self.retrieval_pretrained_path:
             raise ValueError("finetune.retrieval_inits has `pretrained`: set finetune.retrieval_pretrained_path")
+        if self.qa_retrieval_beam < self.qa_top_k:
+            raise ValueError(f"finetune.qa_retrieval_beam={self.qa_retrieval_beam} < qa_top_k={self.qa_top_k}: "
+                             "the reader reads the first qa_top_k of the beam")
         return self
 
 

@@ -9,8 +9,9 @@ Reads the corpus folder written by `prepare_corpus` (docs/contracts.md):
     batch = collate(pairs[:4], generator=torch.Generator().manual_seed(0))   # -> BiEncoder(batch)
 
     qa = load_qa(CORPUS, "train")                                # [{id, question, answers, positive_ctx?}]
-    #  -> components.retrieval.search.retrieve_qa_blocks(...) adds block_rows
-    #  -> components.models.reader.QACollator(tok, blocks, block_vecs, ...)(qa[:4]) -> OpenQA(batch)
+    #  -> components.data.qa_batch.QACollator(tok, blocks, block_vecs, retrieve=tower_search_fn(...))(qa[:4])
+    #     searches the frozen index with the current query tower each call -> OpenQA(batch)
+    #  (BM25: components.retrieval.search.bm25_qa_blocks(...) adds fixed block_rows)
 
 (CORPUS is `components.paths.CORPUS`.) Hard negatives: each pair keeps a ranked pool of `depth`
 negatives (mined in `components.retrieval.negatives`); every batch the collator samples

@@ -4,6 +4,9 @@ blocks, and the (B, K, L) `[CLS] x [SEP] z [SEP]` tensors the retriever + reader
 
     collate = QACollator(tok, blocks, block_vecs, query_len=32, passage_len=80, top_k=5, max_answer_tokens=10)
     batch = collate(rows)        # rows: {question, answers, block_rows: [top-k block rows]}
+    # ORQA: every call searches the frozen index with the query tower as it is now (a top-B beam)
+    collate = QACollator(tok, blocks, block_vecs, top_k=5, retrieve=search_fn, beam=5000)
+    batch = collate(rows)        # rows: {question, answers}; + beam_embeddings / beam_mask / beam_has_answer
 
 A correct span is any (i, j) whose text equals a gold answer after SQuAD normalisation
 (`find_answer_spans`); spans never cut a word (`word_boundaries`).
@@ -11,7 +14,7 @@ A correct span is any (i, j) whose text equals a gold answer after SQuAD normali
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -66,6 +69,13 @@ def find_answer_spans(
     return out
 
 
+def has_answer(norm_block_text: str, golds: Sequence[str]) -> bool:
+    """Whether a block holds a gold answer string as whole words, both normalised
+    (`normalize_answer`): ORQA's has-answer mark of the retrieval beam (orqa ops `has_answer`)."""
+    text = f" {norm_block_text} "
+    return any(f" {g} " in text for g in golds)
+
+
 # ----------------------------------------------------------------------------------------------
 # collation
 # ----------------------------------------------------------------------------------------------
@@ -91,10 +101,18 @@ class QACollator:
     (B, K, L, 2) (char span in the block text, -1 outside z); correct_spans (B, K, L, A);
     answer_in_block, candidate_mask, candidate_rows (B, K); block_embeddings (B, K, D) float32
     (zeros for the null document / empty slots).
+
+    `retrieve` (questions, n) -> (B, n) table rows (-1 padded): a search of the frozen index with
+    the current query tower (`retrieval.search.tower_search_fn`). Given, every call retrieves each
+    question's top `beam` and ignores `block_rows`: the reader reads the first `top_k`, and the
+    batch adds beam_rows / beam_mask / beam_has_answer (B, Bm) and beam_embeddings (B, Bm, D) for
+    ORQA's retrieval loss over the beam. It runs in the training loop's process at each step, so
+    the trainer must collate in-process (num_workers 0): a worker would hold a stale copy.
     """
 
     def __init__(self, tokenizer: Any, blocks: Any = None, block_embeddings: np.ndarray | None = None, *,
-                 query_len: int = 32, passage_len: int = 80, top_k: int = 5, max_answer_tokens: int = 10):
+                 query_len: int = 32, passage_len: int = 80, top_k: int = 5, max_answer_tokens: int = 10,
+                 retrieve: Callable[[Sequence[str], int], np.ndarray] | None = None, beam: int | None = None):
         self.tokenizer, self.blocks = tokenizer, blocks
         self.block_embeddings = None if block_embeddings is None else np.asarray(block_embeddings, dtype=np.float32)
         if self.blocks is not None and self.block_embeddings is not None and len(self.blocks) != len(self.block_embeddings):
@@ -102,14 +120,21 @@ class QACollator:
         self.query_len, self.passage_len, self.top_k, self.max_answer_tokens = query_len, passage_len, top_k, max_answer_tokens
         self.cls, self.sep, self.pad = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id
         self._span_cache: dict[tuple[int, tuple[str, ...]], tuple[tuple[int, int], ...]] = {}
+        if retrieve is not None and (self.block_embeddings is None or self.blocks is None):
+            raise ValueError("retrieve needs the blocks and their index embeddings")
+        self.retrieve = retrieve
+        self.beam = max(top_k, beam if beam is not None else top_k)
+        self._norm_text: dict[int, str] = {}
 
     @classmethod
     def from_params(cls, tokenizer: Any, blocks: Any, block_embeddings: np.ndarray | None, p: Any,
-                    top_k: int | None = None) -> "QACollator":
-        """`p`: a FinetuneParams (query_len, passage_len, qa_top_k, max_answer_tokens); `top_k`
-        overrides qa_top_k (1 for the reader's own-paragraph phase: no padded empty slots)."""
+                    top_k: int | None = None, retrieve: Callable | None = None) -> "QACollator":
+        """`p`: a FinetuneParams (query_len, passage_len, qa_top_k, max_answer_tokens,
+        qa_retrieval_beam); `top_k` overrides qa_top_k (1 for the reader's own-paragraph phase: no
+        padded empty slots); `retrieve`: search each call with the current tower (class docstring)."""
         return cls(tokenizer, blocks, block_embeddings, query_len=p.query_len, passage_len=p.passage_len,
-                   top_k=p.qa_top_k if top_k is None else top_k, max_answer_tokens=p.max_answer_tokens)
+                   top_k=p.qa_top_k if top_k is None else top_k, max_answer_tokens=p.max_answer_tokens,
+                   retrieve=retrieve, beam=p.qa_retrieval_beam if retrieve is not None else None)
 
     # -- pieces ------------------------------------------------------------------------------------
     def _block_tokens(self, block: dict) -> tuple[list[int], list[list[int]]]:
@@ -135,6 +160,28 @@ class QACollator:
                 self._span_cache.clear()
             self._span_cache[key] = hit
         return hit
+
+    def _has_answer(self, row: int, golds: tuple[str, ...]) -> bool:
+        text = self._norm_text.get(row)
+        if text is None:
+            if len(self._norm_text) >= 2_000_000:
+                self._norm_text.clear()
+            text = self._norm_text[row] = normalize_answer(self.blocks[row]["text"])
+        return has_answer(text, golds)
+
+    def beam_batch(self, questions: Sequence[str], answers: Sequence[Sequence[str]]) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+        """(top_k rows (B, K), the beam's tensors) from `retrieve`: beam_rows / beam_mask /
+        beam_has_answer (B, Bm), beam_embeddings (B, Bm, D) (0 in empty slots)."""
+        rows = np.asarray(self.retrieve(list(questions), self.beam), dtype=np.int64)  # (B, Bm), -1 = none
+        rows = np.where(rows >= 0, rows, MISSING_ROW)
+        ok = rows >= 0
+        golds = [tuple(g for g in (normalize_answer(a) for a in ans) if g) for ans in answers]
+        marks = np.array([[bool(ok[b, j]) and bool(golds[b]) and self._has_answer(int(rows[b, j]), golds[b])
+                           for j in range(rows.shape[1])] for b in range(rows.shape[0])], dtype=bool).reshape(rows.shape)
+        emb = self.block_embeddings[np.clip(rows, 0, None)] * ok[..., None]  # (B, Bm, D)
+        return rows[:, : self.top_k], {"beam_rows": torch.from_numpy(rows), "beam_mask": torch.from_numpy(ok),
+                                       "beam_has_answer": torch.from_numpy(marks),
+                                       "beam_embeddings": torch.from_numpy(emb.astype(np.float32))}
 
     def _question_tokens(self, question: str) -> list[int]:
         return self.tokenizer(question, add_special_tokens=False)["input_ids"][: self.query_len - 2]
@@ -219,6 +266,10 @@ class QACollator:
         (nothing random here); it is accepted for the trainer's collate signature."""
         if self.blocks is None:
             raise ValueError("QACollator needs `blocks` (and `block_embeddings`) to collate rows with block_rows")
+        beam: dict[str, torch.Tensor] = {}
+        if self.retrieve is not None:
+            top, beam = self.beam_batch([r["question"] for r in rows], [r.get("answers", []) for r in rows])
+            rows = [{**r, "block_rows": top[i].tolist()} for i, r in enumerate(rows)]
         blocks, embs, table_rows = [], [], []
         for r in rows:
             rr = [int(x) for x in list(r["block_rows"])[: self.top_k]]
@@ -227,5 +278,6 @@ class QACollator:
             blocks.append([None if x < 0 else self.blocks[x] for x in rr])
             if self.block_embeddings is not None:
                 embs.append(self.block_embeddings[np.clip(rr, 0, None)])  # rows < 0 are zeroed in encode
-        return self.encode([r["question"] for r in rows], blocks, embs if self.block_embeddings is not None else None,
-                           [r.get("answers", []) for r in rows], table_rows)
+        batch = self.encode([r["question"] for r in rows], blocks, embs if self.block_embeddings is not None else None,
+                            [r.get("answers", []) for r in rows], table_rows)
+        return {**batch, **beam}

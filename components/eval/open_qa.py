@@ -1,4 +1,7 @@
-"""Open-QA inference for the evaluate stage: a fine-tuned reader over its system's own top k.
+"""Open-QA inference for the evaluate stage: a fine-tuned reader over its system's own top k,
+retrieved exactly as in training: the fine-tuned query tower over the same frozen index (the
+same `tower_search_fn`), the first `qa_top_k`, the span scorer and `span_softmax` the reader was
+trained with (saved in its openqa_config.json).
 
     qa = OpenQAPredictor.for_system("realm", params.finetune, tokenizer)   # models/finetune/open_qa/realm + REALM's final index
     preds = qa.predict_all([(qid, question), ...])                         # {qid: answer}
@@ -22,11 +25,10 @@ import datasets
 import torch
 
 from components.data.qa_batch import QACollator
-from components.data.special_tokens import NULL_ROW
+from components.data.special_tokens import MISSING_ROW, NULL_ROW
 from components.models.reader import OpenQA
 from components.paths import FINETUNE_OPEN_QA, REALM_OUT, TOKENS
-from components.retrieval.search import (QA_SYSTEM_INDEX, bm25_over_blocks, bm25_qa_blocks, load_block_index,
-                                         retrieve_qa_blocks, retriever_encode_fn)
+from components.retrieval.search import QA_SYSTEM_INDEX, bm25_over_blocks, bm25_qa_blocks, load_block_index, tower_search_fn
 
 OPEN_QA_OUT = FINETUNE_OPEN_QA
 
@@ -71,8 +73,9 @@ class OpenQAPredictor:
         """Rows + `block_rows`: the top k of this system's retrieval."""
         if self.index is None:
             return bm25_qa_blocks(rows, self.ft.qa_top_k, bm25=self.bm25)
-        encode = retriever_encode_fn(self.model.retriever, self.tokenizer, self.ft.query_len)
-        return retrieve_qa_blocks(encode, rows, self.ft.qa_top_k, search_fn=self.index.search)
+        search = tower_search_fn(self.model.retriever, self.tokenizer, self.ft.query_len, self.index.search)
+        top = search([r["question"] for r in rows], self.ft.qa_top_k) if rows else []
+        return [{**r, "block_rows": [int(x) if x >= 0 else MISSING_ROW for x in top[i]]} for i, r in enumerate(rows)]
 
     @torch.no_grad()
     def predict_all(self, questions: list[tuple[str, str]], closed_book: bool = False) -> dict[str, str]:

@@ -1,36 +1,45 @@
 """Open-domain QA fine-tuning: a retriever + extractive reader (the ORQA / REALM recipe).
 
-    p(z | x)        = softmax_z( E_q(x) . e_z )          over the top-k blocks z of a FROZEN index
-    p(s | x, z)     = softmax_s( start(s_i) + end(s_j) )  over spans s = (i, j) of whole words of z,
-                                                          j - i < max_answer_tokens
-    p(y | x)        = sum_z p(z | x) sum_{s in z, text(s) ~ y} p(s | x, z)     (REALM eq. for open-QA)
+    S(z)            = E_q(x) . e_z                        the retrieval score of block z of a FROZEN index
+    f(s)            = start(s_i) + end(s_j)               `span_scorer: linear` (BERT's SQuAD head), or
+                    = w . LN(ReLU(W [h_i; h_j] + b))      `span_scorer: mlp` (ORQA's, `span_hidden` units)
+                      over spans s = (i, j) of whole words of z, j - i < max_answer_tokens
+  `span_softmax: per_block` (REALM's open-QA marginal):
+    p(z | x) = softmax_z S(z) over the top k,  p(s | x, z) = softmax_s f(s) within z,
+    p(y | x) = sum_z p(z | x) sum_{s in z, text(s) ~ y} p(s | x, z)
+  `span_softmax: joint` (ORQA, language/orqa/models/orqa_model.py `read`):
+    p(z, s | x) = softmax_{(z, s)} ( f(s) + S(z) )   one softmax over every (block, span) pair of the top k
 
 Pieces (paper names):
 
-* `retriever`: the query tower (a `BiEncoder`, or anything with `encode_query`). Retrieval of the
-  top k happens outside with the frozen block index; the batch carries the k block embeddings
-  e_z, and the model recomputes the scores E_q(x) . e_z, so the query tower gets gradients and the
-  block embeddings never do (ORQA: the evidence-block encoder is frozen, the question encoder trains).
+* `retriever`: the query tower (a `BiEncoder`, or anything with `encode_query`). The collator
+  searches the frozen block index with this tower as it is at each step (`QACollator(retrieve=)`);
+  the batch carries the beam's block embeddings e_z, and the model recomputes the scores
+  E_q(x) . e_z, so the query tower gets gradients and the block embeddings never do (ORQA: the
+  evidence-block encoder is frozen, the question encoder trains).
   `None` for a system without a dense query tower (BM25 top-k): its batches carry no block
   embeddings, so p(z | x) is uniform over the top k and the reader's span scores alone rank the
   answers (the BM25 + reader pipeline; BM25's raw scores are unbounded, and as logits they would
   need a temperature that nothing here could learn).
-* `reader`: a BERT over `[CLS] x [SEP] z [SEP]` (token types 0 | 1) with start/end logits
-  (`SpanReader`, an HF *ForQuestionAnswering). Spans lie inside z only, are at most
+* `reader`: a BERT over `[CLS] x [SEP] z [SEP]` (token types 0 | 1) with a span scorer
+  (`SpanReader`: an HF *ForQuestionAnswering, plus ORQA's MLP when `span_scorer: mlp`). Spans lie inside z only, are at most
   `max_answer_tokens` tokens long and never cut a word (a WordPiece continuation piece neither
   starts a span nor follows its end), the same candidates that `find_answer_spans` can mark correct.
 * `null_document`: an empty z, `[CLS] x [SEP] [SEP]`; it has no spans.
 
 Loss (per question; the batch loss is the mean over questions):
-    retrieval_loss = -log sum_{z in top-k, z contains a correct span} p(z | x)    (ORQA's early update)
-    reader_loss    = -log sum_z p(z | x) sum_{correct s in z} p(s | x, z)       (the marginal above)
+    retrieval_loss = -log sum_{z in beam, has_answer(z)} softmax_beam S(z)       (ORQA's early update)
+    reader_loss    = -log sum_{correct (z, s)} p(z, s | x)                       (the marginal above)
+The beam is the top B (`finetune.qa_retrieval_beam`) that the current query tower retrieved this
+step (batch `beam_embeddings` / `beam_has_answer`, a block holding an answer string); the reader's
+top k is its first k. A batch without a beam (BM25, a fixed selection) scores the top k instead.
 A correct span is any (i, j) whose text equals a gold answer after SQuAD normalisation
 (`find_answer_spans`), so blocks without one get zero weight in both sums. A question with no
 correct block (or span) anywhere gets 0 for that term, with finite values and zero gradients
 (no -inf enters a softmax: masked entries use a large finite negative).
 
-Inference: `predict(question, blocks, block_embeddings)` returns the span maximising
-log p(z | x) + log p(s | x, z) (best span score + retrieval score, both normalised as in training).
+Inference: `predict(question, blocks, block_embeddings)` returns the span maximising log p(z, s | x),
+normalised as in training.
 
 Closed-book mode: `predict(question, [])` reads the question with the null document only. An
 extractive reader has nothing to extract there, so it always answers "" (EM 0): it is the floor
@@ -65,23 +74,35 @@ if TYPE_CHECKING:
 
 _NEG = -1e30  # finite "minus infinity": all-masked rows stay finite, their gradients 0 (not NaN)
 OPENQA_CONFIG = "openqa_config.json"
+SPAN_MLP_FILE = "span_mlp.safetensors"
+SPAN_SOFTMAX = ("per_block", "joint")
 
 
 # ----------------------------------------------------------------------------------------------
 # span scores
 # ----------------------------------------------------------------------------------------------
+def span_pairs(x: torch.Tensor, max_answer_tokens: int, fill: float | bool) -> torch.Tensor:
+    """x (N, L, ...) -> (N, L, A, ...): [n, i, w] = x[n, i + w], `fill` past the end."""
+    A = max_answer_tokens
+    pad = [0, 0] * (x.dim() - 2) + [0, A - 1]
+    out = torch.nn.functional.pad(x, pad, value=fill).unfold(1, A, 1)  # (N, L, ..., A)
+    return out.movedim(-1, 2)
+
+
 def span_logits(start: torch.Tensor, end: torch.Tensor, start_mask: torch.Tensor, max_answer_tokens: int,
                 end_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Span scores (N, L, A): [n, i, w] = start[n, i] + end[n, i + w] for the span i..i+w, and
     which of them are valid: i may start a span, i + w may end one (both masks are inside z, which
     is contiguous, so the whole span is). start/end (N, L) float; start_mask/end_mask (N, L) bool
     (`context_mask` for both = any z token; the collator's word-boundary masks = whole words)."""
-    A = max_answer_tokens
     end_mask = start_mask if end_mask is None else end_mask
-    end_w = torch.nn.functional.pad(end.float(), (0, A - 1), value=_NEG).unfold(1, A, 1)  # (N, L, A) end[i + w]
-    end_ok = torch.nn.functional.pad(end_mask, (0, A - 1), value=False).unfold(1, A, 1)  # (N, L, A)
-    valid = start_mask[:, :, None] & end_ok  # (N, L, A)
-    return start.float()[:, :, None] + end_w, valid
+    end_w = span_pairs(end.float(), max_answer_tokens, _NEG)  # (N, L, A) end[i + w]
+    return start.float()[:, :, None] + end_w, span_valid(start_mask, end_mask, max_answer_tokens)
+
+
+def span_valid(start_mask: torch.Tensor, end_mask: torch.Tensor, max_answer_tokens: int) -> torch.Tensor:
+    """(N, L, A) bool: i may start a span and i + w may end one (N, L) -> (N, L, A)."""
+    return start_mask[:, :, None] & span_pairs(end_mask, max_answer_tokens, False)
 
 
 def masked_log_softmax(scores: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -102,24 +123,56 @@ def marginal_nll(log_p: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # the reader
 # ----------------------------------------------------------------------------------------------
-class SpanReader(nn.Module):
-    """BERT over `[CLS] x [SEP] z [SEP]` -> start/end logits (N, L); an HF *ForQuestionAnswering,
-    so the saved folder is a standard HF QA model."""
+class SpanMLP(nn.Module):
+    """ORQA's span scorer (orqa_model.py `read`): f(i, j) = w . LN(ReLU(W_s h_i + W_e h_j + b)), i.e.
+    W [h_i; h_j] split into its start and end halves, so that start and end interact; truncated
+    normal (0.02) kernels as there."""
 
-    def __init__(self, qa_model: nn.Module):
+    def __init__(self, hidden_size: int, span_hidden: int):
         super().__init__()
-        self.qa_model = qa_model
+        self.proj = nn.Linear(hidden_size, 2 * span_hidden)
+        self.norm = nn.LayerNorm(span_hidden)
+        self.out = nn.Linear(span_hidden, 1)
+        for lin in (self.proj, self.out):
+            nn.init.trunc_normal_(lin.weight, std=0.02, a=-0.04, b=0.04)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, hidden: torch.Tensor, max_answer_tokens: int) -> torch.Tensor:
+        """hidden (N, L, H) -> span scores (N, L, A): [n, i, w] = f(i, i + w) (garbage past the end:
+        the caller masks it)."""
+        start, end = self.proj(hidden).chunk(2, dim=-1)  # (N, L, S) each
+        end_w = span_pairs(end, max_answer_tokens, 0.0)  # (N, L, A, S) end[i + w]
+        h = self.norm(torch.relu(start[:, :, None, :] + end_w))  # (N, L, A, S)
+        return self.out(h).squeeze(-1).float()  # (N, L, A)
+
+
+class SpanReader(nn.Module):
+    """BERT over `[CLS] x [SEP] z [SEP]` -> span scores. An HF *ForQuestionAnswering, so the saved
+    folder is a standard HF QA model; its start/end head `qa_outputs` is the `linear` scorer, and
+    `span_mlp` (ORQA's MLP, saved beside it as span_mlp.safetensors) the `mlp` one."""
+
+    def __init__(self, qa_model: nn.Module, span_scorer: str = "linear", span_hidden: int = 256):
+        super().__init__()
+        if span_scorer not in ("linear", "mlp"):
+            raise ValueError(f"span_scorer must be linear or mlp, got {span_scorer!r}")
+        self.qa_model, self.span_scorer, self.span_hidden = qa_model, span_scorer, span_hidden
+        self.span_mlp = SpanMLP(qa_model.config.hidden_size, span_hidden) if span_scorer == "mlp" else None
+        if self.span_mlp is not None:
+            # the linear head is unused: frozen, DDP skips it and AdamW holds no state for it
+            self.qa_model.qa_outputs.requires_grad_(False)
 
     @classmethod
-    def from_config(cls, config: Any) -> "SpanReader":
+    def from_config(cls, config: Any, span_scorer: str = "linear", span_hidden: int = 256) -> "SpanReader":
         from transformers import BertForQuestionAnswering
 
-        return cls(BertForQuestionAnswering(config))
+        return cls(BertForQuestionAnswering(config), span_scorer, span_hidden)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dropout: float | None = None) -> "SpanReader":
+    def from_pretrained(cls, path: str | os.PathLike, dropout: float | None = None, span_scorer: str | None = None,
+                        span_hidden: int = 256) -> "SpanReader":
         """From an HF folder: an encoder (RetroMAE / MLM / REALM's knowledge-augmented encoder; the
-        span head `qa_outputs` starts fresh) or a saved SpanReader. Missing encoder weights raise."""
+        span head starts fresh) or a saved SpanReader (its span_mlp.safetensors, if any, is loaded
+        and decides the scorer unless `span_scorer` is given). Missing encoder weights raise."""
         from transformers import AutoModelForQuestionAnswering
 
         overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
@@ -127,15 +180,48 @@ class SpanReader(nn.Module):
         missing = [k for k in info["missing_keys"] if not k.startswith("qa_outputs")]
         if missing:
             raise ValueError(f"{path}: reader encoder weights missing (would be random): {sorted(missing)[:8]}")
-        return cls(model)
+        mlp_file = Path(path) / SPAN_MLP_FILE
+        saved = None
+        if mlp_file.exists():
+            from safetensors.torch import load_file
+
+            saved = load_file(str(mlp_file))
+        scorer = span_scorer or ("mlp" if saved is not None else "linear")
+        if saved is not None and scorer == "mlp":
+            span_hidden = saved["norm.weight"].numel()
+        reader = cls(model, scorer, span_hidden)
+        if saved is not None and reader.span_mlp is not None:
+            reader.span_mlp.load_state_dict(saved)
+        return reader
+
+    def save_pretrained(self, out_dir: str | os.PathLike, tokenizer: Any = None) -> None:
+        self.qa_model.save_pretrained(out_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+        if self.span_mlp is not None:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.span_mlp.state_dict().items()},
+                      str(Path(out_dir) / SPAN_MLP_FILE))
 
     @property
     def config(self) -> Any:
         return self.qa_model.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear head's start/end logits (N, L) each (HF's QA forward)."""
         out = self.qa_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
         return out.start_logits, out.end_logits  # (N, L) each
+
+    def span_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor,
+                    max_answer_tokens: int) -> torch.Tensor:
+        """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; see `span_logits`)."""
+        if self.span_mlp is None:
+            start, end = self(input_ids, attention_mask, token_type_ids)  # (N, L) each
+            return start.float()[:, :, None] + span_pairs(end.float(), max_answer_tokens, _NEG)  # (N, L, A)
+        hidden = self.qa_model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                          token_type_ids=token_type_ids).last_hidden_state  # (N, L, H)
+        return self.span_mlp(hidden, max_answer_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,11 +237,15 @@ class OpenQA(nn.Module):
     answer_in_block (B, K).
     """
 
-    def __init__(self, retriever: nn.Module | None, reader: SpanReader, max_answer_tokens: int = 10):
+    def __init__(self, retriever: nn.Module | None, reader: SpanReader, max_answer_tokens: int = 10,
+                 span_softmax: str = "per_block"):
         super().__init__()
         if max_answer_tokens < 1:
             raise ValueError(f"max_answer_tokens must be >= 1, got {max_answer_tokens}")
+        if span_softmax not in SPAN_SOFTMAX:
+            raise ValueError(f"span_softmax must be one of {SPAN_SOFTMAX}, got {span_softmax!r}")
         self.retriever, self.reader, self.max_answer_tokens = retriever, reader, max_answer_tokens
+        self.span_softmax = span_softmax
         if getattr(retriever, "share_towers", True) is False:
             # A REALM retriever with untied towers: its passage tower made the frozen index and gets
             # no gradient here. Frozen (requires_grad False), DDP leaves it out of the gradient
@@ -163,30 +253,68 @@ class OpenQA(nn.Module):
             for p in [*retriever.passage_encoder.parameters(), *retriever.passage_projection.parameters()]:
                 p.requires_grad_(False)
 
-    # -- p(z | x) ----------------------------------------------------------------------------------
-    def retrieval_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """log p(z | x) (B, K): the query tower re-scores the retrieved blocks' frozen embeddings."""
-        cand = batch["candidate_mask"]  # (B, K)
-        emb = batch.get("block_embeddings")
-        if emb is None or self.retriever is None:  # no index scores: every retrieved block equally likely
-            scores = torch.zeros(cand.shape, device=cand.device)
-        else:
-            q = self.retriever.encode_query(batch["query_input_ids"], batch["query_attention_mask"]).float()  # (B, D)
-            scores = torch.einsum("bd,bkd->bk", q, emb.detach().float())  # (B, K); detach: the index is frozen
-        return masked_log_softmax(scores, cand, (1,))  # (B, K)
+    # -- S(z) and p(z | x) ---------------------------------------------------------------------------
+    def _query(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        if self.retriever is None or batch.get("block_embeddings") is None:
+            return None
+        return self.retriever.encode_query(batch["query_input_ids"], batch["query_attention_mask"]).float()  # (B, D)
 
-    # -- p(s | x, z) -------------------------------------------------------------------------------
-    def span_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """log p(s | x, z) (B, K, L, A): the reader over all B*K (x, z) pairs at once."""
+    @staticmethod
+    def _scores(q: torch.Tensor | None, emb: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """S(z) = q . e_z (B, K) over frozen embeddings (detached: the index never trains); 0 (every
+        block equally likely) without a query tower or embeddings."""
+        if q is None or emb is None:
+            return torch.zeros(mask.shape, device=mask.device)
+        return torch.einsum("bd,bkd->bk", q, emb.detach().float())  # (B, K)
+
+    def retrieval_scores(self, batch: dict[str, torch.Tensor], q: torch.Tensor | None = None) -> torch.Tensor:
+        """S(z) (B, K) of the top k: the query tower re-scores the retrieved blocks' frozen embeddings."""
+        q = self._query(batch) if q is None else q
+        return self._scores(q, batch.get("block_embeddings"), batch["candidate_mask"])
+
+    def retrieval_log_probs(self, batch: dict[str, torch.Tensor], q: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(z | x) (B, K) over the top k."""
+        return masked_log_softmax(self.retrieval_scores(batch, q), batch["candidate_mask"], (1,))  # (B, K)
+
+    # -- f(s) and p(s | x, z) -----------------------------------------------------------------------
+    def span_scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f(s), valid), each (B, K, L, A): the reader over all B*K (x, z) pairs at once."""
         B, K, L = batch["input_ids"].shape
         flat = lambda t: t.reshape(B * K, L)  # noqa: E731
-        start, end = self.reader(flat(batch["input_ids"]), flat(batch["attention_mask"]), flat(batch["token_type_ids"]))
+        scores = self.reader.span_scores(flat(batch["input_ids"]), flat(batch["attention_mask"]),
+                                         flat(batch["token_type_ids"]), self.max_answer_tokens)  # (B*K, L, A)
         ctx = batch["context_mask"]
         # Spans start/end on word boundaries when the collator says where they are (every correct
         # span does), so no probability mass goes to "##ing"-like fragments the metric can't match.
         may_start, may_end = batch.get("span_start_mask", ctx) & ctx, batch.get("span_end_mask", ctx) & ctx
-        scores, valid = span_logits(start, end, flat(may_start), self.max_answer_tokens, flat(may_end))  # (B*K, L, A)
-        return masked_log_softmax(scores, valid, (1, 2)).view(B, K, L, -1)  # (B, K, L, A)
+        valid = span_valid(flat(may_start), flat(may_end), self.max_answer_tokens)  # (B*K, L, A)
+        return scores.view(B, K, L, -1), valid.view(B, K, L, -1)
+
+    def span_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """log p(s | x, z) (B, K, L, A), normalised within each block."""
+        scores, valid = self.span_scores(batch)
+        return masked_log_softmax(scores, valid, (2, 3))  # (B, K, L, A)
+
+    def joint_log_probs(self, batch: dict[str, torch.Tensor], q: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(z, s | x) (B, K, L, A), normalised as `span_softmax` says (module docstring)."""
+        if self.span_softmax == "per_block":
+            return self.retrieval_log_probs(batch, q)[:, :, None, None] + self.span_log_probs(batch)
+        scores, valid = self.span_scores(batch)
+        valid = valid & batch["candidate_mask"][:, :, None, None]
+        logits = scores + self.retrieval_scores(batch, q)[:, :, None, None]  # ORQA: f(s) + S(z)
+        return masked_log_softmax(logits, valid, (1, 2, 3))  # (B, K, L, A)
+
+    def beam_retrieval_nll(self, batch: dict[str, torch.Tensor], q: torch.Tensor | None = None) -> torch.Tensor:
+        """ORQA's early update (B,): -log sum_{z in beam, has answer} softmax_beam S(z); 0 where the
+        beam holds no answer. Without a beam, over the top k with `answer_in_block`."""
+        q = self._query(batch) if q is None else q
+        if "beam_embeddings" in batch:
+            mask, correct = batch["beam_mask"], batch["beam_has_answer"]
+            scores = self._scores(q, batch["beam_embeddings"], mask)  # (B, Bm)
+        else:
+            mask, correct = batch["candidate_mask"], batch["answer_in_block"]
+            scores = self._scores(q, batch.get("block_embeddings"), mask)  # (B, K)
+        return marginal_nll(masked_log_softmax(scores, mask, (1,)), correct & mask)
 
     # -- training ----------------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -194,12 +322,11 @@ class OpenQA(nn.Module):
         if correct.size(-1) != self.max_answer_tokens:
             raise ValueError(f"batch built for max_answer_tokens={correct.size(-1)}, model has {self.max_answer_tokens}")
         cand = batch["candidate_mask"]  # (B, K)
-        log_pz = self.retrieval_log_probs(batch)  # (B, K)
-        log_ps = self.span_log_probs(batch)  # (B, K, L, A)
+        q = self._query(batch)  # (B, D) or None: one query encoding for both terms
+        joint = self.joint_log_probs(batch, q)  # (B, K, L, A) log p(z, s | x)
         correct = correct & cand[:, :, None, None]
-        joint = log_pz[:, :, None, None] + log_ps  # (B, K, L, A) log p(z, s | x)
 
-        retrieval_nll = marginal_nll(log_pz, batch["answer_in_block"] & cand)  # (B,)
+        retrieval_nll = self.beam_retrieval_nll(batch, q)  # (B,)
         reader_nll = marginal_nll(joint, correct)  # (B,)
         with torch.no_grad():
             B = joint.size(0)
@@ -210,6 +337,8 @@ class OpenQA(nn.Module):
             "retrieval_loss": retrieval_nll.detach().mean(),
             "reader_loss": reader_nll.detach().mean(),
             "answerable": correct.flatten(1).any(1).float().mean(),  # questions with a correct span in the top k
+            "beam_answerable": (batch["beam_has_answer"] & batch["beam_mask"]).any(1).float().mean()
+            if "beam_has_answer" in batch else batch["answer_in_block"].any(1).float().mean(),
             "span_acc": span_acc,  # the argmax (z, s) is a correct span
             "num_tokens": batch["attention_mask"].sum() + batch["query_attention_mask"].sum(),
         }
@@ -218,8 +347,8 @@ class OpenQA(nn.Module):
     @torch.no_grad()
     def predict_batch(self, batch: dict[str, torch.Tensor], block_texts: Sequence[Sequence[str | None]]) -> list[dict]:
         """Best span per question: [{"answer", "block", "start", "end", "score"}], score =
-        log p(z | x) + log p(s | x, z). No valid span (closed-book / null document only) -> answer ""."""
-        joint = self.retrieval_log_probs(batch)[:, :, None, None] + self.span_log_probs(batch)  # (B, K, L, A)
+        log p(z, s | x). No valid span (closed-book / null document only) -> answer ""."""
+        joint = self.joint_log_probs(batch)  # (B, K, L, A)
         B, K, L, A = joint.shape
         score, best = joint.reshape(B, -1).max(1)
         offsets = batch["z_char_offsets"]  # (B, K, L, 2)
@@ -268,10 +397,10 @@ class OpenQA(nn.Module):
                 model.retriever.save_pretrained(tmp / "retriever", tokenizer)
             else:  # e.g. a REALM Retriever: its own layout, no tokenizer argument
                 model.retriever.save_pretrained(tmp / "retriever")
-            model.reader.qa_model.save_pretrained(tmp / "reader")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp / "reader")
+            model.reader.save_pretrained(tmp / "reader", tokenizer)
             write_json_atomic(tmp / OPENQA_CONFIG, {"max_answer_tokens": model.max_answer_tokens,
+                                                    "span_softmax": model.span_softmax,
+                                                    "span_scorer": model.reader.span_scorer,
                                                     "retriever_type": type(model.retriever).__name__ if model.retriever is not None else None})
         return Path(out_dir)
 
@@ -289,4 +418,5 @@ class OpenQA(nn.Module):
             from components.models.biencoder import BiEncoder
 
             retriever = BiEncoder.from_pretrained(path / "retriever")
-        return cls(retriever, SpanReader.from_pretrained(path / "reader"), cfg["max_answer_tokens"])
+        reader = SpanReader.from_pretrained(path / "reader", span_scorer=cfg.get("span_scorer", "linear"))
+        return cls(retriever, reader, cfg["max_answer_tokens"], cfg.get("span_softmax", "per_block"))

@@ -3,6 +3,7 @@
     encode = retriever_encode_fn(retriever, tokenizer, query_len=32)       # (texts, side) -> (N, D)
     vecs, index = load_block_index(REALM_OUT / "index" / "final", blocks)  # row-aligned with `blocks`
     qa = retrieve_qa_blocks(encode, qa, k=5, search_fn=index.search)       # + block_rows
+    search = tower_search_fn(retriever, tokenizer, 32, index.search)        # (questions, n) -> (Q, n) rows, now
     qa = bm25_qa_blocks(qa, k=5, block_texts=blocks["text"])               # the sparse system: + block_rows
     qa = gold_qa_blocks(qa, blocks["doc_id"], blocks["text"])              # each question's own paragraph
 
@@ -42,10 +43,9 @@ def retrieve_qa_blocks(
     search_fn: SearchFn | None = None,
 ) -> list[dict]:
     """Add `block_rows` (the top-k block rows) to each QA row, searching the frozen block index
-    once with the stage-1 query encoder: `search_fn(q, k) -> (scores, rows)` (e.g.
-    `BlockIndex.search`), or an exact IndexFlatIP over `block_vecs`. Only the *selection* is fixed
-    here; `OpenQA` re-scores the k blocks with the training query tower every step (REALM's
-    stale-index argument), the block vectors themselves never change."""
+    once with `encode_fn`: `search_fn(q, k) -> (scores, rows)` (e.g. `BlockIndex.search`), or an
+    exact IndexFlatIP over `block_vecs`. A one-off selection; open-QA fine-tuning and evaluation
+    search with the current tower instead (`tower_search_fn`)."""
     if (block_vecs is None) == (search_fn is None):
         raise ValueError("give exactly one of block_vecs or search_fn")
     if not qa_rows:
@@ -116,3 +116,23 @@ def retriever_encode_fn(retriever, tokenizer, query_len: int) -> EncodeFn:
         t = tokenizer(list(texts), max_length=query_len, truncation=True, padding=True, return_tensors="pt", return_token_type_ids=False)
         return retriever.encode_query(t["input_ids"], t["attention_mask"]).float().numpy()
     return encode
+
+
+def tower_search_fn(retriever, tokenizer, query_len: int, search_fn: SearchFn) -> Callable[[Sequence[str], int], np.ndarray]:
+    """(questions, n) -> (Q, n) block rows (-1 padded): the top n of the frozen index for the query
+    tower *as it is when called* (ORQA's per-step search; the open-QA collator calls it once per
+    batch, evaluation once per question chunk). The tower is read in eval mode without gradient,
+    on its own device, and its train/eval mode is restored."""
+    def search(texts: Sequence[str], n: int) -> np.ndarray:
+        was_training = retriever.training
+        device = next(retriever.parameters()).device
+        t = tokenizer(list(texts), max_length=query_len, truncation=True, padding=True, return_tensors="pt",
+                      return_token_type_ids=False)
+        retriever.eval()
+        try:
+            with torch.no_grad():
+                q = retriever.encode_query(t["input_ids"].to(device), t["attention_mask"].to(device)).float().cpu().numpy()
+        finally:
+            retriever.train(was_training)
+        return np.asarray(search_fn(q, n)[1])
+    return search

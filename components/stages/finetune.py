@@ -19,7 +19,11 @@ query tower (`models/realm/retriever/query_encoder`): its BERT, without the proj
 dot product) and the comparison is about the starting weights alone.
 
 Every reader starts from the same encoder (`reader_init_folder`), with `finetune.qa_train` and the
-same seed, over its own system's top `qa_top_k` blocks. With `finetune.qa_gold_steps`, the reader
+same seed, over its own system's top `qa_top_k` blocks. A dense system is ORQA's: at every step
+the collator searches the frozen block index (pretrain_realm's; the passage tower never trains)
+with the query tower as it is then, takes the top `qa_retrieval_beam` for the retrieval loss and
+reads the first `qa_top_k` (models/reader.py). BM25 reads its fixed top k (the BM25 + reader
+baseline). With `finetune.qa_gold_steps`, the reader
 first reads each training question's own paragraph (SQuAD's reading-comprehension setting): that
 phase involves no retriever, so it runs once and every system's reader starts from its result,
 exactly as if each ran it. A span head new to a warm-started encoder trains at
@@ -42,8 +46,7 @@ from components.models.encoder import resolve_pretrained
 from components.paths import (CORPUS, FINETUNE_OPEN_QA, FINETUNE_OUT, FINETUNE_RETRIEVERS, INIT_ENCODER, MLM_ENCODER,
                               REALM_OUT, RETROMAE_ENCODER, TOKENS, stage_metrics)
 from components.retrieval.negatives import mine_bm25_negatives, mine_dense_negatives
-from components.retrieval.search import (QA_SYSTEM_INDEX, bm25_qa_blocks, gold_qa_blocks, load_block_index, retrieve_qa_blocks,
-                                         retriever_encode_fn)
+from components.retrieval.search import QA_SYSTEM_INDEX, bm25_qa_blocks, gold_qa_blocks, load_block_index, tower_search_fn
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
 from components.training.trainer import LrGroup, Trainer, phase_params, prefixed
@@ -131,32 +134,40 @@ def reader_init_folder() -> Path:
 
 
 def qa_selection(system: str, ft, tokenizer, blocks, qa: list[dict]):
-    """(rows + block_rows, block vectors or None, query tower or None) for one QA system: the top k
-    its finetune reader trains on. Dense systems search a frozen REALM index with REALM's query
-    tower; BM25 has neither (uniform p(z|x) over its top k)."""
+    """(rows, block vectors or None, query tower or None, retrieve or None) for one QA system.
+    Dense systems: REALM's query tower, the vectors of a frozen REALM index and `retrieve`, that
+    index searched with the tower as it is at each call (the collator's per-step search). BM25:
+    rows + its fixed top k `block_rows`, no tower (uniform p(z|x) over its top k)."""
     from components.models.retriever import Retriever
 
     if system == "bm25":
-        return bm25_qa_blocks(qa, ft.qa_top_k, block_texts=list(blocks["text"])), None, None
-    vecs, index = load_block_index(REALM_OUT / "index" / QA_SYSTEM_INDEX[system], blocks)  # frozen: the selection of the top k
+        return bm25_qa_blocks(qa, ft.qa_top_k, block_texts=list(blocks["text"])), None, None, None
+    vecs, index = load_block_index(REALM_OUT / "index" / QA_SYSTEM_INDEX[system], blocks)  # frozen during fine-tuning
     retriever = Retriever.from_pretrained(REALM_OUT / "retriever")
-    rows = retrieve_qa_blocks(retriever_encode_fn(retriever, tokenizer, ft.query_len), qa, ft.qa_top_k, search_fn=index.search)
-    return rows, vecs, retriever
+    return list(qa), vecs, retriever, tower_search_fn(retriever, tokenizer, ft.query_len, index.search)
+
+
+def new_reader(ft, folder: Path | None = None):
+    """The reader every system starts from: `reader_init_folder` with `finetune.span_scorer`."""
+    from components.models.reader import SpanReader
+
+    return SpanReader.from_pretrained(folder or reader_init_folder(), span_scorer=ft.span_scorer, span_hidden=ft.span_hidden)
 
 
 def reader_lr_groups(params: Params) -> list[LrGroup]:
-    """The span head (`qa_outputs`) starts random on a warm-started encoder: `warm_start.head_lr`."""
+    """The span head (`qa_outputs`, or ORQA's `span_mlp`) starts random on a warm-started encoder:
+    `warm_start.head_lr`."""
     lr = params.warm_start.head_lr
     if params.warm_start.path is None or lr is None:
         return []
-    return [LrGroup("head", lambda name: ".qa_outputs." in name, lr)]
+    return [LrGroup("head", lambda name: ".qa_outputs." in name or ".span_mlp." in name, lr)]
 
 
 def gold_reader(params: Params, run, tokenizer, blocks, qa: list[dict]) -> tuple[dict | None, dict]:
     """The reader after `finetune.qa_gold_steps` on (question, own paragraph) pairs: (its
     state_dict, summary), or (None, {}) when the phase is off or no question names its paragraph."""
     from components.data.qa_batch import QACollator
-    from components.models.reader import OpenQA, SpanReader
+    from components.models.reader import OpenQA
 
     ft = params.finetune
     if not ft.qa_gold_steps:
@@ -166,7 +177,7 @@ def gold_reader(params: Params, run, tokenizer, blocks, qa: list[dict]) -> tuple
         log.warning("finetune.qa_gold_steps=%d but no training question has a positive_ctx paragraph holding its "
                     "answer: skipping the reader's own-paragraph phase", ft.qa_gold_steps)
         return None, {}
-    model = OpenQA(None, SpanReader.from_pretrained(reader_init_folder()), ft.max_answer_tokens)
+    model = OpenQA(None, new_reader(ft), ft.max_answer_tokens, ft.span_softmax)
     train = phase_params(ft.qa_train, ft.qa_gold_steps, ft.qa_train.lr, batch_size=ft.qa_gold_batch_size)
     ckpt = checkpoint_dir("finetune_qa_gold", params, ["finetune", "warm_start", "realm"])
     trainer = Trainer(model, rows, QACollator.from_params(tokenizer, blocks, None, ft, top_k=1), train, params.compute,
@@ -208,15 +219,18 @@ def finetune_readers(params: Params, run, tokenizer) -> dict:
 
 def _finetune_reader(params: Params, run, tokenizer, system: str, blocks, qa: list[dict], gold_state: dict | None) -> dict:
     from components.data.qa_batch import QACollator
-    from components.models.reader import OpenQA, SpanReader
+    from components.models.reader import OpenQA
 
     ft = params.finetune
-    rows, vecs, retriever = qa_selection(system, ft, tokenizer, blocks, qa)
-    reader = SpanReader.from_pretrained(reader_init_folder())
+    rows, vecs, retriever, retrieve = qa_selection(system, ft, tokenizer, blocks, qa)
+    if retrieve is not None and ft.qa_train.num_workers:
+        raise ValueError("finetune.qa_train.num_workers must be 0: the per-step search reads the query tower "
+                         "in the training process (a worker would search with a stale copy)")
+    reader = new_reader(ft)
     if gold_state is not None:
         reader.load_state_dict(gold_state)
-    model = OpenQA(retriever, reader, ft.max_answer_tokens)
-    collate = QACollator.from_params(tokenizer, blocks, vecs, ft)
+    model = OpenQA(retriever, reader, ft.max_answer_tokens, ft.span_softmax)
+    collate = QACollator.from_params(tokenizer, blocks, vecs, ft, retrieve=retrieve)
     ckpt = checkpoint_dir(f"finetune_qa_{system}", params, ["finetune", "warm_start", "realm"])
     trainer = Trainer(model, rows, collate, ft.qa_train, params.compute, ckpt,
                       log_fn=prefixed(RankZeroLogger(run), f"qa.{system}."),
