@@ -107,6 +107,22 @@ STUDIES = """
 """
 
 
+def hand_run_sections(readme: Path) -> str:
+    """The `## ... (... run by hand)` sections of the current bench/README.md other than Studies:
+    benchmarks too long or too machine-bound for run_all, whose rows are written by hand."""
+    if not readme.exists():
+        return ""
+    keep, cur = [], None
+    for line in readme.read_text().splitlines(keepends=True):
+        if line.startswith("## "):
+            cur = [] if "run by hand" in line and not line.startswith("## Studies") else None
+            if cur is not None:
+                keep.append(cur)
+        if cur is not None:
+            cur.append(line)
+    return "".join("\n" + "".join(sec).strip("\n") + "\n" for sec in keep)
+
+
 def _find(d, key):
     if isinstance(d, dict):
         if key in d and isinstance(d[key], (int, float)):
@@ -128,7 +144,7 @@ def main(argv=None) -> None:
             rc = subprocess.run([sys.executable, *cmd], cwd=ROOT).returncode
             if rc != 0:
                 print(f"  (exit {rc}; its row stays n/a)", flush=True)
-    text = summary() + STUDIES
+    text = summary() + STUDIES + hand_run_sections(ROOT / "bench/README.md")
     (ROOT / "bench/README.md").write_text(text)
     print(text)
 

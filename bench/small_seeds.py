@@ -63,15 +63,15 @@ def stage_seconds(ws: Path) -> dict[str, float]:
     """Wall time of each stage's newest finished MLflow run in a workspace's embedded store."""
     from mlflow.tracking import MlflowClient
 
+    from components.tracking import latest_stage_run
+
     client = MlflowClient(tracking_uri=f"sqlite:///{ws / 'mlflow.db'}")
+    exps = [e.experiment_id for e in client.search_experiments()]
     out: dict[str, float] = {}
-    for exp in client.search_experiments():
-        for stage in STAGES:
-            runs = client.search_runs([exp.experiment_id], f"tags.`dvc.stage` = '{stage}' and attributes.status = 'FINISHED'",
-                                      order_by=["attributes.start_time DESC"], max_results=20)
-            runs = [r for r in runs if "rr.kind" not in r.data.tags]
-            if runs and stage not in out:
-                out[stage] = round((runs[0].info.end_time - runs[0].info.start_time) / 1000, 1)
+    for stage in STAGES:
+        run = latest_stage_run(client, exps, stage)
+        if run is not None:
+            out[stage] = round((run.info.end_time - run.info.start_time) / 1000, 1)
     return out
 
 

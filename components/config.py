@@ -67,6 +67,11 @@ class ComputeParams(_Section):
     defaults_from: ClassVar[str | None] = "compute"
     device: Literal["auto", "cpu", "cuda"]
     nproc: int = Field(ge=1, le=1024, description="processes per node; >1 launches torchrun")
+    nnodes: int = Field(ge=1, le=1024, description="nodes; >1 launches torchrun with a c10d rendezvous on every node")
+    rdzv_endpoint: str | None = Field(pattern=r"^[\w.-]+:\d+$", description="host:port of the c10d rendezvous "
+                                      "(needed when nnodes > 1; $RR_RDZV_ENDPOINT overrides it)")
+    rdzv_id: str | None = Field(pattern=r"^[\w.-]+$", description="rendezvous id shared by every node's launcher "
+                                "($RR_RDZV_ID overrides it); null: the stage's MLflow run id")
     precision: Literal["auto", "fp32", "bf16", "fp16"]
     num_threads: int = Field(ge=0, description="torch intra-op threads; 0 = torch default")
     seed: int = Field(ge=0)
@@ -262,6 +267,21 @@ class MLMParams(_Section):
     mask_ratio: float = Field(gt=0, lt=1)
 
 
+class RealmTrainParams(TrainParams):
+    """`realm.train`: the shared trainer's knobs plus REALM's warm-up rule (its ICT and reader
+    warm-up phases inherit it)."""
+    defaults_from: ClassVar[str | None] = "realm.train"
+
+    warmup_rule: Literal["ratio", "realm"] = Field(
+        description="ratio: int(warmup_ratio * max_steps) warm-up steps; realm: min(10000, max(100, int(max_steps / 10))), "
+        "the reference's rule (google-research/language realm/model.py and orqa/models/ict_model.py), warmup_ratio unused")
+
+
+# The OntoNotes types spaCy's English models emit that are named entities or dates (REALM masks
+# "named entities and dates": a CoNLL-2003 NER tagger (PER/LOC/ORG/MISC) plus a date regex).
+REALM_SPAN_TYPES = ("PERSON", "NORP", "FAC", "ORG", "GPE", "LOC", "PRODUCT", "EVENT", "WORK_OF_ART", "LAW", "LANGUAGE", "DATE")
+
+
 class RealmParams(_Section):
     defaults_from: ClassVar[str | None] = "realm"
     retriever_init: Literal["retromae", "ict", "random"]
@@ -273,6 +293,15 @@ class RealmParams(_Section):
     marginalization: Literal["per_token", "per_sequence"]
     masking: Literal["salient_span", "random_token", "random_span"]
     span_tagger: Literal["auto", "regex", "spacy"]
+    span_types: list[str] = Field(description="spaCy entity labels that are salient spans (OntoNotes names: "
+                                  f"{', '.join(REALM_SPAN_TYPES)} are REALM's named entities and dates); [] = every label. "
+                                  "The regex fallback's labels (ENTITY, DATE, NUMBER) are not filtered")
+    query_unit: Literal["window", "sentence"] = Field(
+        description="x: a window of up to query_len - 2 tokens of the block around the span (window), or the "
+        "sentence that contains it (sentence, REALM's x), cut to query_len - 2 tokens around the span")
+    doc_input: Literal["body", "title_body"] = Field(
+        description="the document tower's input: `[CLS] body [SEP]` (body) or `[CLS] title [SEP] body [SEP]` with "
+        "token types 0 / 1 (title_body, REALM's featurize_document; the body is cut to fit block_len). The reader reads the body only")
     max_masks: int = Field(ge=1)
     random_mask_ratio: float = Field(gt=0, lt=1)
     refresh_every: int = Field(ge=0, description="optimiser steps between index refreshes; 0 = never")
@@ -290,6 +319,8 @@ class RealmParams(_Section):
     ict_mask_rate: float = Field(ge=0, le=1)
     ict_lr: float = Field(gt=0, le=1.0)
     ict_batch_size: int = Field(ge=2, description="ICT's negatives are the other contexts of the batch")
+    ict_query_len: int | None = Field(ge=8, description="tokens of ICT's pseudo-query sentence incl. specials (ORQA: 64); "
+                                      "null = query_len")
     reader_warmup_steps: int = Field(ge=0, description="steps that train the knowledge-augmented encoder alone on "
                                      "`[CLS] x [SEP] z [SEP]` (`reader_warmup_doc`) before REALM; 0 = none (the paper: its reader "
                                      "is BERT). A tiny reader learns to copy from z only after ~1000 steps")
@@ -307,7 +338,7 @@ class RealmParams(_Section):
     heldout_draws: int = Field(ge=1, description="masks drawn per held-out block; each distinct masked span "
                                "is one held-out query (more queries, less noise in the held-out curves)")
     # the paper's lr 3e-5: with more, updates from queries no other block answers undo the retriever's gain
-    train: TrainParams
+    train: RealmTrainParams
 
 
 RetrievalStart = Literal["init", "mlm", "retromae", "realm", "pretrained"]
@@ -391,6 +422,18 @@ class Params(_Section):
     realm: RealmParams
     finetune: FinetuneParams
     evaluate: EvaluateParams
+
+    @model_validator(mode="after")
+    def _check_block_lengths(self) -> "Params":
+        # tokenize.retrieval_block_len counts a block's tokens without [CLS]/[SEP]; realm.block_len
+        # counts the reader's / document tower's input with them: a shorter block_len cuts every full block.
+        need = self.tokenize.retrieval_block_len + 2
+        if self.realm.block_len < need:
+            raise ValueError(f"realm.block_len={self.realm.block_len} (incl. [CLS]/[SEP]) is shorter than "
+                             f"tokenize.retrieval_block_len={self.tokenize.retrieval_block_len} (without them) + 2 = {need}: "
+                             f"every full block would lose {need - self.realm.block_len} token(s); set realm.block_len >= {need} "
+                             f"or tokenize.retrieval_block_len <= {self.realm.block_len - 2}")
+        return self
 
     def section_digest(self, *sections: str) -> str:
         """sha256 over the named sections (all when none): tags runs with what they were given."""

@@ -479,6 +479,16 @@ def close_run(params: Params, run_id: str, status: str = "FINISHED") -> None:
     _client(tracking_uri(params)).set_terminated(run_id, status=status)
 
 
+def latest_stage_run(client, experiment_ids: list[str], stage: str, status: str = "FINISHED"):
+    """The newest run (by start time) of `stage` (its `dvc.stage` tag) with `status`, or None.
+    Only stage runs count: their nested runs (a REALM `refresh_index`, tagged `rr.kind`) carry the
+    same stage tag and start later, so they are filtered out in the query, not after a page of them."""
+    found = client.search_runs(experiment_ids, f"tags.`dvc.stage` = '{stage}' and tags.`rr.kind` IS NULL "
+                                               f"and attributes.status = '{status}'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    return found[0] if found else None
+
+
 # ----------------------------------------------------------------------------------------------
 # replaying what could not be sent
 # ----------------------------------------------------------------------------------------------

@@ -62,6 +62,19 @@ def forward_library_logs(names: tuple[str, ...] = LIBRARY_LOGGERS) -> None:
 forward_library_logs()
 
 
+def flush_api_logs(timeout: float = 10.0) -> None:
+    """Send the log lines still queued for the Prefect API and stop its log workers (a new line
+    starts one again). Before a local API stops: the run's last lines reach its flow-run log, and no
+    batch is left to fail at interpreter exit, where the failure is printed through a console
+    handler whose stream is closed by then (pytest's capture): "I/O operation on closed file"."""
+    from prefect.logging.handlers import APILogWorker
+
+    try:
+        APILogWorker.drain_all(timeout=timeout, at_exit=False)
+    except Exception as e:  # noqa: BLE001 - never fail a finished run over its last log lines
+        log.warning("could not flush the Prefect API logs: %s: %s", type(e).__name__, e)
+
+
 def params_from_env() -> Params:
     return load_params(os.environ.get("RR_PARAMS", "params.yaml"))
 
@@ -151,6 +164,8 @@ def local_prefect_api(home: str | os.PathLike = ".prefect", timeout: float = 90.
         os.environ["PREFECT_HOME"] = str(home)
         yield url
     finally:
+        if os.environ.get("PREFECT_API_URL") == url:
+            flush_api_logs()  # while the API still answers
         os.environ.pop("PREFECT_API_URL", None)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

@@ -11,7 +11,8 @@ Call it inside the `@flow` function, so the body's `@task`s run in that flow.
 Models: `models=[Model(path, name, flavor)]` logs each saved folder as an MLflow 3 logged model of
 the stage run. Retrievers (an encoder folder with sentence-transformers files: [CLS] pooling, dot
 product, REALM's projection as a Dense module) use the `sentence_transformers` flavor; MLM encoders
-and readers the `transformers` flavor (a pipeline of `task`). Each logged model carries
+the `transformers` flavor (a pipeline of `task`); the open-QA readers `python_function`
+(flows/_reader_model.py: question + context(s) in, the answer span out). Each logged model carries
 `rr.pipeline_run` (the parent run), so evaluate attaches its metrics (`attach_metrics`) to the
 models of the same pipeline run; finetune `register`s one retriever under an alias:
 
@@ -22,9 +23,11 @@ models of the same pipeline run; finetune `register`s one retriever under an ali
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from components.config import Params
-from components.tracking import ENV_PARENT, StageRun
+from components.tracking import ENV_PARENT, StageRun, is_server
 from flows._runtime import params_from_env, prefect_tags
 
 
@@ -55,7 +58,8 @@ class Artifact:
 @dataclass(frozen=True)
 class Model:
     """A saved model folder logged as an MLflow logged model `name` of the stage run (skipped when
-    the folder does not exist): `sentence_transformers` for retrievers, `transformers` (+ task) else."""
+    the folder does not exist): `sentence_transformers` for retrievers, `python_function` for an
+    open-QA reader folder, `transformers` (+ task) else."""
     path: os.PathLike
     name: str
     flavor: str = "transformers"
@@ -116,6 +120,32 @@ def training_progress(stage: str) -> Iterator[None]:
         logger.removeHandler(handler)
 
 
+def mlflow_run_url(uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI (for the embedded store: the UI `mlflow ui` serves by default),
+    in the model-training view (MLflow 3.17's UI follows its GenAI / Model training toggle, which
+    this parameter sets, over the experiment's `mlflow.experimentKind` tag)."""
+    base = uri.rstrip("/") if is_server(uri) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def eval_rows(table: dict) -> list[dict]:
+    """metrics/eval.json ({dataset: {system: metrics}}, plus "split" and "comparisons") as rows."""
+    return [{"dataset": ds, "system": system, **m} for ds, systems in table.items() if isinstance(systems, dict)
+            for system, m in systems.items()]
+
+
+def publish_eval_artifacts(report: str, rows: list[dict], run_url: str, link_text: str, description: str) -> None:
+    """In the current flow run: the eval table as the Prefect artifacts `eval-table` (Markdown:
+    rows and paired comparisons) and `eval-rows` (a table), and the link `mlflow-pipeline-run`."""
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+    create_markdown_artifact(report, key="eval-table", description="retro-realm evaluation: every system, paired comparisons")
+    cols = sorted({k for r in rows for k in r} - {"dataset", "system"})
+    create_table_artifact([{"dataset": r["dataset"], "system": r["system"], **{k: r.get(k) for k in cols}} for r in rows],
+                          key="eval-rows", description="metrics/eval.json as rows")
+    create_link_artifact(run_url, link_text=link_text, key="mlflow-pipeline-run", description=description)
+
+
 def _present(item: Dataset | Artifact) -> bool:
     return not item.optional or os.path.exists(item.path)
 
@@ -161,13 +191,53 @@ def run_stage(stage: str, sections: list[str], body: Callable[[Params, StageRun]
 # ----------------------------------------------------------------------------------------------
 # MLflow logged models
 # ----------------------------------------------------------------------------------------------
-FLAVORS = ("sentence_transformers", "transformers")
+FLAVORS = ("sentence_transformers", "transformers", "python_function")
+READER_MODEL_CODE = Path(__file__).with_name("_reader_model.py")
 
 
 def _requirements(flavor: str) -> list[str]:
     # Pinned from this environment: MLflow would otherwise infer them by loading the model in a subprocess.
-    pkgs = ["torch", "transformers", "safetensors"] + (["sentence-transformers"] if flavor == "sentence_transformers" else [])
-    return [f"{p}=={version(p)}" for p in pkgs]
+    extra = {"sentence_transformers": ["sentence-transformers"], "python_function": ["pandas", "numpy"]}.get(flavor, [])
+    return [f"{p}=={version(p)}" for p in ["torch", "transformers", "safetensors", *extra]]
+
+
+def reader_signature():
+    """question + context (a string) or contexts (a list of strings) -> the answer span."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    inputs = Schema([ColSpec("string", "question"), ColSpec("string", "context", required=False),
+                     ColSpec(Array("string"), "contexts", required=False)])
+    outputs = Schema([ColSpec("string", "answer"), ColSpec("long", "context_index"), ColSpec("long", "start"),
+                      ColSpec("long", "end"), ColSpec("double", "score")])
+    return ModelSignature(inputs=inputs, outputs=outputs)
+
+
+READER_EXAMPLE = {"question": ["who founded the city of aldmoor?"],
+                  "context": ["The city of Aldmoor was founded by Kessa Varn on the north bank of the river."]}
+
+
+def _log_reader(run: StageRun, path: Path, name: str, tags: dict[str, str]):
+    """The reader folder (HF QA model + tokenizer, `OpenQA.save_pretrained`'s reader/) as a pyfunc
+    with the lengths it was trained with, and a copy of `components` so it loads without the repo."""
+    import shutil
+
+    import mlflow
+    import pandas as pd
+    from mlflow.models import Model
+
+    ft = run.params.finetune
+    openqa_cfg = path.parent / "openqa_config.json"  # the system folder's: its span limit, scorer and softmax
+    saved = json.loads(openqa_cfg.read_text()) if openqa_cfg.is_file() else {}
+    config = {"query_len": ft.query_len, "passage_len": ft.passage_len, "max_answer_tokens": ft.max_answer_tokens,
+              **{k: v for k, v in saved.items() if k != "retriever_type" and v is not None}}
+    with tempfile.TemporaryDirectory() as tmp:
+        code = Path(tmp) / "components"
+        shutil.copytree(Path(__file__).resolve().parents[1] / "components", code, ignore=shutil.ignore_patterns("__pycache__"))
+        return Model.log(None, name=name, flavor=mlflow.pyfunc, python_model=str(READER_MODEL_CODE),
+                         artifacts={"reader": str(path)}, model_config=config, code_paths=[str(code)],
+                         signature=reader_signature(), input_example=pd.DataFrame(READER_EXAMPLE),
+                         run_id=run.run_id, tags=tags, pip_requirements=_requirements("python_function"))
 
 
 def log_model(run: StageRun, path: str | os.PathLike, name: str, flavor: str, task: str | None = None) -> str:
@@ -188,6 +258,8 @@ def log_model(run: StageRun, path: str | os.PathLike, name: str, flavor: str, ta
         model = SentenceTransformer(str(path), device="cpu")
         info = Model.log(None, name=name, flavor=mlflow.sentence_transformers, model=model, run_id=run.run_id, tags=tags,
                          pip_requirements=_requirements(flavor))
+    elif flavor == "python_function":
+        info = _log_reader(run, Path(path), name, tags)
     else:
         import transformers
 
@@ -208,7 +280,7 @@ def log_models(run: StageRun, models: list[tuple[str | os.PathLike, str, str, st
             continue
         try:
             ids[name] = log_model(run, path, name, flavor, task)
-        except Exception as e:  # noqa: BLE001 - e.g. transformers 5 has no question-answering pipeline
+        except Exception as e:  # noqa: BLE001 - a model MLflow cannot save: its folder is an artifact anyway
             log.warning("could not log %s (%s) as an MLflow model: %s: %s", name, flavor, type(e).__name__, str(e)[:300])
     return ids
 

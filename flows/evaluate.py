@@ -5,8 +5,9 @@
 
 Where users look: the table is the Prefect artifacts `eval-table` (Markdown: rows and paired
 comparisons) and `eval-rows` (a table), beside the link `mlflow-pipeline-run` to the MLflow parent
-run; in MLflow, each system's numbers are also metrics of the logged model it measures
-(`retromae` -> retromae-encoder, `ft:retromae` -> ft-retromae-retriever, `qa:realm` -> qa-realm-reader).
+run, on the pipeline's flow run (flows/pipeline.py; on this flow run when it runs outside one).
+In MLflow, each system's numbers are also metrics of the logged model it measures (`retromae` ->
+retromae-encoder, `ft:retromae` -> ft-retromae-retriever, `qa:realm` -> qa-realm-reader).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from prefect.cache_policies import NO_CACHE
 
 from components.paths import CORPUS, METRICS
 from components.stages.evaluate import evaluate
-from components.tracking import ENV_PARENT, is_server
-from flows._stage import Artifact, Dataset, attach_metrics, run_stage
+from components.tracking import ENV_PARENT
+from flows._stage import Artifact, Dataset, attach_metrics, mlflow_run_url, publish_eval_artifacts, run_stage
 
 STAGE = "evaluate"
 
@@ -59,30 +60,17 @@ def _model_metrics(out: dict) -> dict[str, dict[str, float]]:
     return by_model
 
 
-def mlflow_run_url(uri: str, experiment_id: str, run_id: str) -> str:
-    """The run's page in the MLflow UI (for the embedded store: the UI `mlflow ui` serves by default),
-    in the model-training view (MLflow 3.17's UI follows its GenAI / Model training toggle, which
-    this parameter sets, over the experiment's `mlflow.experimentKind` tag)."""
-    base = uri.rstrip("/") if is_server(uri) else "http://127.0.0.1:5000"
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
-
-
 def publish(run, out: dict) -> None:
-    """The table as Prefect artifacts (Markdown + table), the link to the MLflow pipeline run, and
-    each system's metrics on the MLflow model it measures."""
-    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
-
+    """Each system's metrics on the MLflow model it measures, the report as an MLflow artifact; the
+    Prefect artifacts here only for a stage run outside a pipeline run (`dvc repro evaluate`), since
+    a pipeline run publishes them on its own flow run, linked to its MLflow parent run."""
     run.log_text(out["report"], "results.md")  # table + comparisons
     digest = run.client.get_run(run.run_id).data.tags.get("rr.data.test_data.md5", "")
     attach_metrics(run, _model_metrics(out), dataset=("test_data", digest[:16]))
-    create_markdown_artifact(out["report"], key="eval-table", description="retro-realm evaluation: every system, paired comparisons")
-    cols = sorted({k for r in out["rows"] for k in r} - {"dataset", "system"})
-    create_table_artifact([{"dataset": r["dataset"], "system": r["system"], **{k: r.get(k) for k in cols}} for r in out["rows"]],
-                          key="eval-rows", description="metrics/eval.json as rows")
-    parent = os.environ.get(ENV_PARENT) or run.run_id
-    exp = run.client.get_run(run.run_id).info.experiment_id
-    create_link_artifact(mlflow_run_url(run.uri, exp, parent), link_text="MLflow pipeline run" if parent != run.run_id else "MLflow evaluate run",
-                         key="mlflow-pipeline-run", description=f"MLflow run {parent} ({run.uri})")
+    if not os.environ.get(ENV_PARENT):
+        exp = run.client.get_run(run.run_id).info.experiment_id
+        publish_eval_artifacts(out["report"], out["rows"], mlflow_run_url(run.uri, exp, run.run_id), "MLflow evaluate run",
+                               f"MLflow run {run.run_id} ({run.uri})")
 
 
 @flow(name=STAGE, log_prints=True)

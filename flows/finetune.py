@@ -22,10 +22,11 @@ def train(params, run) -> dict:
 
 
 def models(params) -> list[Model]:
-    """ft-<start>-retriever (sentence-transformers) per start, qa-<system>-reader (HF QA) per system."""
+    """ft-<start>-retriever (sentence-transformers) per start, qa-<system>-reader (a pyfunc: question
+    + context(s) -> answer span, flows/_reader_model.py) per system."""
     ft = params.finetune
     return ([Model(FINETUNE_RETRIEVERS / name, f"ft-{name}-retriever", "sentence_transformers") for name in ft.retrieval_inits]
-            + [Model(FINETUNE_OPEN_QA / system / "reader", f"qa-{system}-reader", task="question-answering")
+            + [Model(FINETUNE_OPEN_QA / system / "reader", f"qa-{system}-reader", "python_function")
                for system in ft.qa_systems])
 
 

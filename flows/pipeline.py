@@ -16,6 +16,8 @@ for `dvc exp show` / `dvc metrics diff`. The same run from the shell:
 `dvc exp run -S retromae.train.max_steps=200` (no Prefect tasks, no MLflow parent run).
 The flow opens the MLflow parent run; every stage process opens its child run under it
 (RR_PARENT_RUN_ID). Without PREFECT_API_URL, one local Prefect API is started for the whole run.
+When the run includes `evaluate`, its flow run carries the eval table as the Prefect artifacts
+`eval-table` / `eval-rows` and the link `mlflow-pipeline-run` to the MLflow parent run.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from components.config import PARAMS_FILE, ParamsError, load_params
+from components.paths import METRICS
 from components.tracking import ENV_PARENT, close_run, open_parent_run, tracking_uri
 from flows._runtime import STAGES, local_prefect_api, prefect_tags
+from flows._stage import eval_rows, mlflow_run_url, publish_eval_artifacts
 
 PRESETS_DIR = Path("params")
 
@@ -190,6 +194,24 @@ def record_lineage(params, parent: str, result: dict[str, str]) -> None:
         get_run_logger().warning("could not log dvc.lock/params to MLflow run %s: %s", parent, e)
 
 
+def publish_eval(params, parent: str) -> None:
+    """The evaluate stage's table (metrics/eval.json, metrics/eval/results.md), whether DVC ran it
+    or found it up to date, as this flow run's Prefect artifacts, linked to the MLflow parent run."""
+    table_file, report_file = METRICS / "eval.json", METRICS / "eval" / "results.md"
+    if not table_file.is_file():
+        return
+    try:
+        from mlflow import MlflowClient
+
+        uri = tracking_uri(params)
+        exp = MlflowClient(uri).get_run(parent).info.experiment_id
+        rows = eval_rows(json.loads(table_file.read_text(encoding="utf-8")))
+        report = report_file.read_text(encoding="utf-8") if report_file.is_file() else ""
+        publish_eval_artifacts(report, rows, mlflow_run_url(uri, exp, parent), "MLflow pipeline run", f"MLflow run {parent} ({uri})")
+    except Exception as e:  # noqa: BLE001 - the stages succeeded; their outputs and MLflow runs are there
+        get_run_logger().warning("could not publish the eval table as Prefect artifacts: %s: %s", type(e).__name__, e)
+
+
 @flow(name="retro-realm", log_prints=True)
 def pipeline(overrides: dict | None = None, target: str | None = None, only: str | None = None,
              push: bool = False, upto: str | None = None, preset: str | None = None,
@@ -223,6 +245,8 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
         if push:
             dvc_push()
         record_lineage(params, parent, result)
+        if "evaluate" in result:
+            publish_eval(params, parent)
         status = "FINISHED"
         print(f"pipeline finished: {result} (MLflow parent run {parent})")
         return result

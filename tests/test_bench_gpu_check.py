@@ -13,3 +13,6 @@ def test_gpu_check_reduced_cpu_form(tmp_path):
     assert saved["train"]["steps"] == 2 and saved["train"]["tokens_per_s"] > 0
     assert saved["train"]["flops_per_token"] > 0 and saved["refresh"]["index_vectors"] == 2000
     assert res["refresh"]["embed_blocks"] >= 16
+    shard = saved["sharded_refresh"]  # 2 gloo ranks on the CPU: the same script path the GPU takes
+    assert shard["ok"] and shard["ranks"] == 2 and shard["ranks_agree"], shard
+    assert saved["nccl_ddp"]["ok"] is None and "skipped" in saved["nccl_ddp"]  # no second GPU here

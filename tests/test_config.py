@@ -19,12 +19,14 @@ def test_real_params_yaml_is_valid_and_complete():
 
 def test_paper_preset_applies_papers_settings():
     p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/paper.yaml"])
-    assert p.tokenize.pretrain_block_len == 510 and p.tokenize.retrieval_block_len == 288
+    # 286 block tokens + [CLS]/[SEP] = REALM's 288-token candidate
+    assert p.tokenize.pretrain_block_len == 510 and p.tokenize.retrieval_block_len == 286
     assert p.realm.query_len == 96 and p.realm.block_len == 288 and p.realm.refresh_every == 500
     assert p.retromae.encoder.hidden_size == 768 and p.retromae.encoder.num_layers == 12
-    # the tiny preset's REALM aids are off: BERT's dropout, any salient span, no warm-ups (BERT reads)
+    # the tiny preset's aids are off (BERT's dropout, any salient span, no reader warm-up: BERT
+    # reads); REALM's own ICT warm start is on
     assert p.retromae.encoder.dropout == 0.1 and not p.realm.exclude_spans_in_query
-    assert p.realm.ict_steps == 0 and p.realm.reader_warmup_steps == 0
+    assert p.realm.ict_steps == 100000 and p.realm.reader_warmup_steps == 0
 
 
 @pytest.mark.parametrize("override, must_contain", [

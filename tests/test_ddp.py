@@ -52,6 +52,16 @@ def test_init_distributed_single_process(monkeypatch):
 
 
 @pytest.mark.slow
+def two_rank_weights(run_dir: Path, step: int) -> dict:
+    """The weights a 2-rank run saved at `step`, after checking it ran as 2 ranks and kept both
+    ranks' RNG states."""
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["world_size"] == 2 and result["step"] == step
+    ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
+    assert (ckpt / "rng-rank0.pt").is_file() and (ckpt / "rng-rank1.pt").is_file()
+    return load_file(str(ckpt / "model.safetensors"))
+
+
 def test_two_process_gloo_matches_one_process(tmp_path):
     """Same global batch (8): 2 ranks x micro 4 vs 1 rank x 8 -> the same weights after 6 steps."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -68,11 +78,7 @@ def test_two_process_gloo_matches_one_process(tmp_path):
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, out
 
-    result = json.loads((tmp_path / "ddp" / "result.json").read_text())
-    assert result["world_size"] == 2 and result["step"] == 6
-    ckpt = tmp_path / "ddp" / "checkpoints" / "step-000006"
-    assert (ckpt / "rng-rank0.pt").is_file() and (ckpt / "rng-rank1.pt").is_file()
-    a = load_file(str(ckpt / "model.safetensors"))
+    a = two_rank_weights(tmp_path / "ddp", 6)
     b = load_file(str(tmp_path / "single" / "checkpoints" / "step-000006" / "model.safetensors"))
     assert a.keys() == b.keys()
     mid = load_file(str(tmp_path / "ddp" / "checkpoints" / "step-000003" / "model.safetensors"))

@@ -339,11 +339,14 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
     mlflow.set_tracking_uri(deployed.mlflow.url)
 
     wanted = {s: dict(m) for s, m in STAGE_MODELS.items() if s in by_stage}
+    readers: list[str] = []
     if "finetune" in by_stage:
         ft = params.finetune
-        # the QA readers are not logged models: MLflow's transformers flavor needs the
-        # question-answering pipeline, which transformers 5 removed (a warning, not a failure)
-        wanted["finetune"] = {f"ft-{n}-retriever": "sentence_transformers" for n in ft.retrieval_inits}
+        # the open-QA readers are pyfunc models (question + context -> span), one per trained system
+        readers = [f"qa-{s}-reader" for s in ft.qa_systems if (deployed.ws / paths.FINETUNE_OPEN_QA / s / "reader").is_dir()]
+        assert readers, ft.qa_systems
+        wanted["finetune"] = {**{f"ft-{n}-retriever": "sentence_transformers" for n in ft.retrieval_inits},
+                              **{name: "python_function" for name in readers}}
     models = {m.name: m for m in client.search_logged_models([exp.experiment_id], max_results=1000)
               if m.tags.get("rr.pipeline_run") == parent.info.run_id}
     for stage, names in wanted.items():
@@ -365,9 +368,19 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
         texts = ["who founded the city", "a river"]
         local = SentenceTransformer(str(deployed.ws / paths.FINETUNE_RETRIEVERS / t.registry_start), device="cpu")
         assert abs(loaded.encode(texts) - local.encode(texts)).max() < 1e-5
+        import pandas as pd
+
+        context = "Aldmoor was founded by Kessa Varn on the north bank of the river."
+        out = mlflow.pyfunc.load_model(f"models:/{models[readers[0]].model_id}").predict(
+            pd.DataFrame({"question": ["who founded aldmoor?"], "context": [context]}))
+        assert out.iloc[0]["answer"] == context[out.iloc[0]["start"]:out.iloc[0]["end"]] != "", out
     if "evaluate" in by_stage:
         ev_id = by_stage["evaluate"].info.run_id
-        for name in ("retromae-encoder", f"ft-{params.tracking.registry_start}-retriever"):
+        table = json.loads((deployed.ws / paths.METRICS / "eval.json").read_text())
+        systems = {s for rows in table.values() if isinstance(rows, dict) for s in rows}
+        measured = [r for r in readers if f"qa:{r.removeprefix('qa-').removesuffix('-reader')}" in systems]
+        assert measured or not readers, (readers, sorted(systems))
+        for name in ("retromae-encoder", f"ft-{params.tracking.registry_start}-retriever", *measured):
             metrics = client.get_logged_model(models[name].model_id).metrics
             assert any(m.run_id == ev_id for m in metrics), name  # beside its own training run's metrics
     if "pretrain_realm" in by_stage:
@@ -393,9 +406,9 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
             assert re.search(r"step \d+/\d+ \(\d+%\) loss \S+ (tokens/s \d+ )?eta ", logs), (stage, logs[-3000:])
             arts = http_json("POST", f"{api}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [by_flow[stage]["id"]]}}})
             assert any(a["type"] == "progress" and float(a["data"]) == 100.0 for a in arts), (stage, arts)
-    if "evaluate" in by_stage:
-        keys = {a["key"]: a for a in http_json("POST", f"{api}/artifacts/filter", {"artifacts": {"key": {"any_": [
-            "eval-table", "eval-rows", "mlflow-pipeline-run"]}}})}
+    if "evaluate" in by_stage:  # on the pipeline's own flow run
+        keys = {a["key"]: a for a in http_json("POST", f"{api}/artifacts/filter", {"artifacts": {
+            "key": {"any_": ["eval-table", "eval-rows", "mlflow-pipeline-run"]}, "flow_run_id": {"any_": [flow_run_id]}}})}
         assert {"eval-table", "eval-rows", "mlflow-pipeline-run"} <= set(keys), sorted(keys)
         assert "|" in keys["eval-table"]["data"] and parent.info.run_id in keys["mlflow-pipeline-run"]["data"]
 
@@ -579,3 +592,85 @@ def test_remote_deployments_register_on_gpu_pools_and_their_pull_steps_restore_o
     assert "endpointurl" in (clone / ".dvc/config.local").read_text()
     assert md5_tree([clone / p for p in first_run["outs"]], clone) == first_run["md5"]
     print(f"\n[deployment] remote: {sorted(s['name'] for s in remote_yaml['deployments'])}; timings={TIMINGS}")
+
+
+QUEUE_PROBE = '''
+import time
+from pathlib import Path
+
+from prefect import flow
+
+
+@flow(name="rr-queue-probe", persist_result=False)
+def hold(release: str, timeout: float = 600.0) -> str:
+    """Holds the queue's slot until the file `release` exists."""
+    deadline = time.monotonic() + timeout
+    while not Path(release).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return "released"
+'''
+
+
+def _states(api: str, flow_run_id: str) -> list[tuple[str, str]]:
+    """A flow run's state history: (type, timestamp) oldest first."""
+    states = http_json("GET", f"{api}/flow_run_states/?flow_run_id={flow_run_id}")
+    return sorted(((st["type"], st["timestamp"]) for st in states), key=lambda t: t[1])
+
+
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.timeout(1200)
+def test_a_second_run_waits_for_the_workspace_queue_slot(prefect_server, tmp_path):
+    """prefect.yaml's build step makes the workspace queue (concurrency 1); two runs of a stub flow
+    deployed on such a queue (the worker of tests/servers.py): while the first holds the slot, the
+    second is never Running (it stays Scheduled: the worker is not handed it); it starts only once
+    the first has finished. A stub instead of the pipeline: the queue is what is being tested."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows._runtime import workspace_queue
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    step = spec["build"][0]["flows._runtime.workspace_queue"]
+    assert step["limit"] == 1 and spec["definitions"]["work_pool"]["work_queue_name"] == step["name"]
+    api, pool = prefect_server.api_url, prefect_server.pool
+    queue = f"{step['name']}-probe-{uuid.uuid4().hex[:6]}"  # the same config, its own queue (no other test's runs on it)
+    with temporary_settings({PREFECT_API_URL: api}):
+        assert workspace_queue(pool, queue, step["limit"]) == {"work_queue": queue}
+    assert http_json("POST", f"{api}/work_pools/{pool}/queues/filter", {"work_queues": {"name": {"any_": [queue]}}}
+                     )[0]["concurrency_limit"] == 1
+
+    (tmp_path / "queue_probe.py").write_text(QUEUE_PROBE)
+    flow_id = http_json("POST", f"{api}/flows/", {"name": "rr-queue-probe"})["id"]
+    dep = http_json("POST", f"{api}/deployments/", {
+        "name": f"probe-{queue}", "flow_id": flow_id, "work_pool_name": pool, "work_queue_name": queue,
+        "entrypoint": "queue_probe.py:hold", "enforce_parameter_schema": False,
+        "pull_steps": [{"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path)}}]})
+    release = {i: tmp_path / f"release-{i}" for i in (0, 1)}
+    runs = [http_json("POST", f"{api}/deployments/{dep['id']}/create_flow_run", {"parameters": {"release": str(release[i])}})["id"]
+            for i in (0, 1)]
+
+    def state(run_id: str) -> str:
+        return http_json("GET", f"{api}/flow_runs/{run_id}")["state"]["type"]
+
+    def wait(pred, what: str, timeout: float = RUN_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, f"{what}: {[state(r) for r in runs]}\nworker:\n{prefect_server.worker.log_tail(40)}"
+            time.sleep(1.0)
+
+    wait(lambda: "RUNNING" in [state(r) for r in runs], "no run started")
+    first = next(r for r in runs if state(r) == "RUNNING")
+    second = runs[1 - runs.index(first)]
+    # two worker polls (10 s each) while the first holds the slot: the second is not handed out
+    t_end = time.monotonic() + 25
+    while time.monotonic() < t_end:
+        assert state(second) in {"SCHEDULED", "PENDING"}, state(second)
+        time.sleep(1.0)
+    release[runs.index(first)].touch()
+    wait(lambda: state(first) == "COMPLETED", "first run did not complete")
+    release[runs.index(second)].touch()
+    wait(lambda: state(second) in TERMINAL, "second run did not finish")
+    assert state(second) == "COMPLETED"
+    first_done = max(t for typ, t in _states(api, first) if typ == "COMPLETED")
+    second_ran = min(t for typ, t in _states(api, second) if typ == "RUNNING")
+    assert second_ran >= first_done, (_states(api, first), _states(api, second))

@@ -249,6 +249,34 @@ def test_k8s_gpu_job_template_limits_nvidia_gpus():
     assert "--nnodes" in text and "rdzv" in text  # the multi-node note
 
 
+def test_k8s_multinode_template_is_an_indexed_job_with_a_rendezvous_on_pod_0():
+    tmpl = yaml.safe_load((INFRA / "prefect" / "k8s-gpu-multinode-job-template.yaml").read_text())
+    assert _placeholders(tmpl["job_configuration"]) <= set(tmpl["variables"]["properties"])
+    job = _render(tmpl)
+    spec = job["job_manifest"]["spec"]
+    nnodes = tmpl["variables"]["properties"]["nnodes"]["default"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nnodes >= 2
+    assert spec["backoffLimit"] == 0  # a failed node fails the run; no lone retry into a dead rendezvous
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == tmpl["variables"]["properties"]["gpus_per_node"]["default"]
+    script = container["command"][2]
+    assert container["command"][:2] == ["/bin/sh", "-c"] and "python -m flows._torchrun --join" in script
+    assert 'exec "$@"' in script and "JOB_COMPLETION_INDEX" in script  # pod 0 runs Prefect's command (args)
+    svc = yaml.safe_load((INFRA / "prefect" / "k8s-rendezvous-service.yaml").read_text())
+    assert svc["kind"] == "Service" and svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert pod["subdomain"] == svc["metadata"]["name"] and f"-0.{svc['metadata']['name']}:29400" in script
+    assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["ports"][0]["port"] == tmpl["variables"]["properties"]["rendezvous_port"]["default"]
+    # the script sets what launch_command reads, and sh accepts it
+    from components.training.distributed import ENV_RDZV_ENDPOINT, ENV_RDZV_ID
+    assert f"{ENV_RDZV_ENDPOINT}=" in script and f"{ENV_RDZV_ID}=" in script
+    env = {**os.environ, "HOSTNAME": "rr-train-x7k-0", "JOB_COMPLETION_INDEX": "0", "PREFECT__FLOW_RUN_ID": "fr1"}
+    out = subprocess.run(["/bin/sh", "-c", script, "rr-node", "sh", "-c", 'echo "$RR_RDZV_ENDPOINT $RR_RDZV_ID $RR_NNODES"'],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert out.stdout.split() == [f"rr-train-x7k-0.{svc['metadata']['name']}:29400", "fr1", str(nnodes)], out.stderr
+
+
 def test_gpu_dockerfile_swaps_torch_and_faiss_for_cuda_builds():
     text = (INFRA / "Dockerfile.gpu").read_text()
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M) and "nvidia/cuda:" in text
@@ -324,12 +352,13 @@ def test_gpu_job_templates_are_accepted_by_a_prefect_server(prefect_server):
     templates = {
         "docker": json.loads((INFRA / "prefect" / "docker-gpu-job-template.json").read_text()),
         "kubernetes": yaml.safe_load((INFRA / "prefect" / "k8s-gpu-job-template.yaml").read_text()),
+        "kubernetes-multinode": yaml.safe_load((INFRA / "prefect" / "k8s-gpu-multinode-job-template.yaml").read_text()),
     }
     for kind, tmpl in templates.items():
-        name = f"rr-test-gpu-{kind}"
-        http_json("POST", f"{prefect_server.api_url}/work_pools/", {"name": name, "type": kind, "base_job_template": tmpl})
+        name, pool_type = f"rr-test-gpu-{kind}", kind.split("-")[0]
+        http_json("POST", f"{prefect_server.api_url}/work_pools/", {"name": name, "type": pool_type, "base_job_template": tmpl})
         stored = http_json("GET", f"{prefect_server.api_url}/work_pools/{name}")
-        assert stored["type"] == kind and stored["base_job_template"] == tmpl
+        assert stored["type"] == pool_type and stored["base_job_template"] == tmpl
     broken = json.loads(json.dumps(templates["docker"]))
     del broken["variables"]["properties"]["gpu_count"]
     with pytest.raises(urllib.error.HTTPError) as err:

@@ -4,6 +4,8 @@
 - the pipeline's models are MLflow 3 logged models of their stage run, with the flavor users load
   (sentence_transformers for retrievers, transformers for MLM encoders), and load back giving the
   same embeddings / weights;
+- an open-QA reader is a pyfunc model (signature, input example) whose predict answers with a span
+  of the context, the span the pipeline's reader picks;
 - the registered alias resolves to the latest pipeline run's retriever;
 - eval metrics are attached to the model they measure;
 - with a tracking server a large artifact is uploaded; the embedded store keeps a reference;
@@ -24,6 +26,7 @@ from components import paths
 from components.data.tokenize import load_tokenizer
 from components.models.biencoder import BiEncoder
 from components.models.encoder import cls_pool, load_encoder
+from components.models.reader import OpenQA, SpanReader
 from components.models.retriever import Retriever
 from components.tracking import ENV_PARENT, StageRun, open_parent_run
 from flows._stage import attach_metrics, log_model, pipeline_models, register
@@ -44,7 +47,10 @@ def folders(tmp_path_factory):
     BiEncoder(load_encoder(enc)).save_pretrained(root / "ft", tok, max_seq_length=48)
     torch.manual_seed(0)
     Retriever.from_encoder(enc, retriever_dim=16).save_pretrained(root / "realm_retriever", tok)
-    return {"encoder": enc, "ft": root / "ft", "realm": root / "realm_retriever", "tok": tok}
+    torch.manual_seed(0)  # a fresh span head on the encoder, saved as finetune saves a system (reader/ + its config)
+    OpenQA(None, SpanReader.from_pretrained(enc), max_answer_tokens=5).save_pretrained(root / "qa" / "bm25", tok)
+    return {"encoder": enc, "ft": root / "ft", "realm": root / "realm_retriever", "reader": root / "qa" / "bm25" / "reader",
+            "tok": tok}
 
 
 @pytest.fixture
@@ -91,6 +97,46 @@ def test_logged_models_have_flavors_load_back_and_are_outputs_of_their_run(folde
         got = cls_pool(parts["model"].eval(), t["input_ids"], t["attention_mask"])
         want = cls_pool(load_encoder(folders["encoder"]).eval(), t["input_ids"], t["attention_mask"])
     torch.testing.assert_close(got, want)
+
+
+SHORT = "Aldmoor was founded by Kessa Varn."  # one window of the reader's passage length
+CONTEXT = ("The city of Aldmoor was founded by Kessa Varn on the north bank of the Ardel river, "
+           "where the old stone bridge still stands beside the market of the weavers.")
+
+
+def test_reader_is_a_pyfunc_model_that_answers_with_a_span_of_the_context(folders, server_params):
+    import mlflow
+    import pandas as pd
+
+    from components.data.qa_batch import QACollator
+
+    with StageRun("finetune", server_params, ["finetune"], system_metrics=False) as run:
+        model_id = log_model(run, folders["reader"], "qa-bm25-reader", "python_function")
+    lm = run.client.get_logged_model(model_id)
+    assert lm.source_run_id == run.run_id and model_id in {o.model_id for o in run.client.get_run(run.run_id).outputs.model_outputs}
+    info = mlflow.models.get_model_info(f"models:/{model_id}")
+    assert "python_function" in info.flavors and info.saved_input_example_info is not None
+    assert [c.name for c in info.signature.inputs.inputs] == ["question", "context", "contexts"]
+    assert [c.name for c in info.signature.outputs.inputs] == ["answer", "context_index", "start", "end", "score"]
+
+    reader = mlflow.pyfunc.load_model(f"models:/{model_id}")  # artifacts through the server (S3)
+    long = " ".join([CONTEXT] * 4)  # longer than finetune.passage_len: read as overlapping windows
+    out = reader.predict(pd.DataFrame({"question": ["who founded aldmoor?", "where is the bridge?", "nothing to read"],
+                                       "context": [SHORT, long, ""]}))
+    for i, ctx in enumerate([SHORT, long]):
+        row = out.iloc[i]
+        assert row["answer"] and row["answer"] == ctx[row["start"]:row["end"]] and row["context_index"] == 0, row
+    assert (out.iloc[2]["answer"], out.iloc[2]["start"]) == ("", -1)  # no context, no span
+    many = reader.predict(pd.DataFrame({"question": ["who founded aldmoor?"], "contexts": [["", "the weavers' market", CONTEXT]]}))
+    c = int(many.iloc[0]["context_index"])
+    assert many.iloc[0]["answer"] == ["", "the weavers' market", CONTEXT][c][many.iloc[0]["start"]:many.iloc[0]["end"]]
+
+    # the span the pipeline's reader picks for the same question and block
+    ft = server_params.finetune
+    collator = QACollator(folders["tok"], query_len=ft.query_len, passage_len=ft.passage_len, top_k=1, max_answer_tokens=5)
+    local = OpenQA(None, SpanReader.from_pretrained(folders["reader"]), max_answer_tokens=5)
+    assert len(folders["tok"](SHORT, add_special_tokens=False)["input_ids"]) <= ft.passage_len - 2
+    assert out.iloc[0]["answer"] == local.predict("who founded aldmoor?", [{"text": SHORT}], None, collator)
 
 
 def test_alias_tracks_the_latest_pipeline_runs_retriever(folders, server_params, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import types
 
 import pytest
 import torch
@@ -49,6 +50,38 @@ def test_progress_every_zero_is_silent_and_none_is_about_ten_lines(tmp_path, cap
     _trainer(tmp_path / "b", max_steps=20, progress_every=None).fit()
     steps = [r.rr_progress["step"] for r in caplog.records if hasattr(r, "rr_progress")]
     assert steps == [1, *range(2, 21, 2)]
+
+
+def test_realm_probe_logs_progress_lines(caplog, monkeypatch):
+    """evaluate_mlm (the REALM stage's held-out probe) logs the trainer's progress line every
+    `progress_every` batches, and by time when it is slow (here: every batch)."""
+    from components.eval import realm_probes
+
+    class Stub(torch.nn.Module):  # REALM's output contract, no model behind it
+        retriever = None
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, batch):
+            return {"num_tokens": torch.tensor(4.0), "mlm_acc": torch.tensor(0.5), "loss": torch.tensor(2.0)}
+
+    class Collator:
+        def batch(self, queries, search, retriever):
+            return {}
+
+    caplog.set_level(logging.INFO, logger="components.eval.realm_probes")
+    queries, index = list(range(10)), types.SimpleNamespace(search=None)  # 5 batches of 2
+    out = realm_probes.evaluate_mlm(Stub(), Collator(), queries, index, batch_size=2, progress_every=2)
+    assert out == {"mlm_acc": 0.5, "loss": 2.0, "tokens": 20.0}
+    lines = [r.getMessage() for r in caplog.records if r.name == "components.eval.realm_probes"]
+    assert [int(re.search(r"step (\d+)/5 ", m).group(1)) for m in lines] == [2, 4, 5], lines
+    assert all(re.fullmatch(r"realm\.probe\.mlm step \d/5 \(\d+%\) loss 2\.0000 tokens/s \d+ eta \d+s", m) for m in lines), lines
+    caplog.clear()
+    monkeypatch.setattr(realm_probes, "PROGRESS_EVERY_S", 0.0)  # a slow probe: a line each batch, whatever the count
+    realm_probes.evaluate_mlm(Stub(), Collator(), queries, index, batch_size=2)
+    assert len([r for r in caplog.records if r.name == "components.eval.realm_probes"]) == 5
 
 
 def test_tracking_progress_every_is_a_param(params):

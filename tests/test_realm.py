@@ -101,7 +101,10 @@ def test_marginal_likelihood_matches_brute_force(mode, share):
     with torch.no_grad():
         out = model(batch)
         ref_loss, ref_p_null = brute_force(model, batch, mode)
-    assert out["num_tokens"].item() == 6
+    # the loss's 6 masked tokens; tokens/s counts every real token the reader read: x once per candidate, plus each z
+    K = batch["z_input_ids"].shape[1]
+    assert out["num_masked"].item() == 6
+    assert out["num_tokens"].item() == K * batch["x_attention_mask"].sum().item() + batch["z_attention_mask"].sum().item()
     pz = model.retrieval_log_probs(batch).exp()
     assert (pz.max(-1).values - pz[:, :3].min(-1).values).min() > 0.05  # p(z|x) is far from uniform
     assert out["loss"].item() == pytest.approx(ref_loss, abs=1e-5)

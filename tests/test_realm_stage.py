@@ -480,8 +480,9 @@ def test_flow_runs_each_refresh_as_a_prefect_subflow(ws, shared_prefect_api, mon
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_build_alike_and_only_rank0_publishes(ws):
-    """compute.nproc=2 under torchrun (gloo): every rank builds its own index, rank 0 alone publishes
-    and writes the outputs, so versions are 1..n with no gaps or doubles."""
+    """compute.nproc=2 under torchrun (gloo): each refresh is sharded over the two ranks (each embeds
+    half, all-gather, both build the same index), rank 0 alone publishes and writes the outputs, so
+    versions are 1..n with no gaps or doubles."""
     from components.training.distributed import torchrun_command
     from flows.pipeline import apply_param_overrides
 

@@ -2,11 +2,12 @@
 artifacts (small uploaded, large referenced), and buffered step metrics."""
 
 import json
+import time
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components.tracking import ENV_PARENT, MetricBuffer, StageRun, close_run, open_parent_run
+from components.tracking import ENV_PARENT, MetricBuffer, StageRun, close_run, latest_stage_run, open_parent_run
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,24 @@ def test_parent_and_child_runs_with_contract_tags(tracked, tmp_path, monkeypatch
     assert [m.value for m in client.get_metric_history(run.run_id, "loss")] == [1.5, 1.0]
     assert r.inputs.dataset_inputs[0].dataset.digest == digest[:16]
     assert r.info.status == "FINISHED" and client.get_run(parent).info.status == "FINISHED"
+
+
+def test_latest_stage_run_is_the_newest_finished_stage_run_not_a_nested_one(tracked):
+    p, client = tracked
+    p = p.model_copy(update={"tracking": p.tracking.model_copy(update={"experiment": "latest-stage-run"})})
+    with StageRun("pretrain_realm", p, ["realm"], system_metrics=False) as older:
+        pass
+    time.sleep(0.01)  # start times are in milliseconds
+    with StageRun("pretrain_realm", p, ["realm"], system_metrics=False) as newest:
+        for _ in range(3):  # its refresh runs: same dvc.stage tag, started later
+            with newest.child("refresh_index"):
+                pass
+    failed = StageRun("pretrain_realm", p, ["realm"], system_metrics=False).__enter__()
+    failed.close("FAILED")
+    exp = client.get_experiment_by_name("latest-stage-run").experiment_id
+    assert latest_stage_run(client, [exp], "pretrain_realm").info.run_id == newest.run_id != older.run_id
+    assert latest_stage_run(client, [exp], "pretrain_realm", status="FAILED").info.run_id == failed.run_id
+    assert latest_stage_run(client, [exp], "tokenize") is None
 
 
 def test_small_artifacts_upload_large_ones_are_referenced(tracked, tmp_path):

@@ -4,31 +4,20 @@ pseudo-query for the rest of that block. REALM warm-starts its retriever this wa
 
     rows = ict_eligible_rows(blocks)                               # blocks with >= 2 sentences
     batch = ICTCollator(blocks, p, special, mask_rate=0.9)(rows[:8], generator)
-    # q_input_ids (B, Lq) `[CLS] sentence [SEP]`; d_input_ids (B, Ld) `[CLS] block [SEP]`
+    # q_input_ids (B, Lq) `[CLS] sentence [SEP]` (<= realm.ict_query_len); d_input_ids (B, Ld) the
+    # document tower's input (`passage_inputs`: `[CLS] block [SEP]`, or with realm.doc_input=title_body
+    # `[CLS] title [SEP] block [SEP]` + d_token_type_ids, as ORQA's ICT blocks)
 """
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import torch
 
-from components.data.realm_batch import RealmQuery, collate_queries, iter_block_rows, passage_inputs
+from components.data.realm_batch import RealmQuery, collate_queries, iter_block_rows, passage_inputs, sentence_token_spans
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 
-_SENTENCE = re.compile(r"[^.!?]+(?:[.!?]+|$)")
-
-
-def sentence_token_spans(text: str, offsets) -> list[tuple[int, int]]:
-    """[start, end) token ranges of the block's sentences (tokens assigned by their char start)."""
-    starts = np.asarray([int(o[0]) for o in offsets], dtype=np.int64)
-    spans = []
-    for m in _SENTENCE.finditer(text or ""):
-        idx = np.flatnonzero((starts >= m.start()) & (starts < m.end()))
-        if idx.size:
-            spans.append((int(idx[0]), int(idx[-1]) + 1))
-    return spans
+__all__ = ["ICTCollator", "ict_eligible_rows", "sentence_token_spans"]
 
 
 def ict_eligible_rows(blocks) -> list[int]:
@@ -43,19 +32,21 @@ class ICTCollator:
 
     def __init__(self, blocks, p, special: SpecialTokens, mask_rate: float):  # p: RealmParams
         self.blocks, self.p, self.special, self.mask_rate = blocks, p, special, mask_rate
+        self.q_params = p.model_copy(update={"query_len": p.ict_query_len or p.query_len})  # the pseudo-query's own length
 
     def __call__(self, rows: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         rng = np.random.default_rng(generator.initial_seed() if generator is not None else 0)
-        queries, contexts = [], []
+        queries, contexts, titles = [], [], []
         for r in rows:
             b = self.blocks[int(r)]
             ids = [int(t) for t in b["input_ids"]]
             spans = sentence_token_spans(b["text"], b["offsets"])
             s, e = spans[rng.integers(len(spans))]
-            q = ids[s:e][: self.p.query_len - 2]
+            q = ids[s:e][: self.q_params.query_len - 2]
             queries.append(RealmQuery(q, [IGNORE_INDEX] * len(q), source_row=int(r)))
             contexts.append(ids[:s] + ids[e:] if rng.random() < self.mask_rate else ids)
-        x = collate_queries(queries, self.p, self.special)
-        d = passage_inputs(contexts, self.p, self.special)
+            titles.append(b.get("title_ids"))
+        x = collate_queries(queries, self.q_params, self.special)
+        d = passage_inputs(contexts, self.p, self.special, titles if self.p.doc_input == "title_body" else None)
         return {"q_input_ids": x["x_input_ids"], "q_attention_mask": x["x_attention_mask"],
-                "d_input_ids": d["input_ids"], "d_attention_mask": d["attention_mask"]}
+                **{f"d_{k}": v for k, v in d.items()}}

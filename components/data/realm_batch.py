@@ -28,10 +28,21 @@ Masking (`RealmParams.masking`), always ONE [MASK] per masked token (REALM does 
 * `random_span` (SpanBERT-style ablation): one random contiguous run of whole words, its length in
   tokens drawn from the block's salient spans (so it matches the salient mode), or 1-4 tokens when
   the block has none; <= max_masks.
+
+What x is (`RealmParams.query_unit`): `window`, up to `query_len - 2` tokens of the block around the
+span; `sentence` (REALM's x), the sentence(s) that contain the span, cut to `query_len - 2` tokens
+around it (random modes: a random sentence). Spans are tagged by `span_tagger_for(params)`
+(`realm.span_tagger`, `realm.span_types`).
+
+What the document tower reads (`RealmParams.doc_input`, `passage_inputs`): `[CLS] z [SEP]` (body),
+or REALM's `[CLS] title [SEP] z [SEP]` with token types 0 / 1 (title_body; blocks carry `title_ids`).
+The reader always reads the body: `[CLS] x [SEP] z [SEP]`, as REALM's featurizer does.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -39,9 +50,11 @@ import numpy as np
 import torch
 
 from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
-from components.data.salient_spans import block_spans, contains_span, salient_token_spans, whole_words
+from components.data.salient_spans import TaggerLike, block_spans, contains_span, salient_token_spans, span_tagger_for, whole_words
 
+log = logging.getLogger(__name__)
 _FALLBACK_SPAN_LENS = (1, 2, 3, 4)  # random_span length when the block has no salient span
+_SENTENCE = re.compile(r"[^.!?]+(?:[.!?]+|$)")
 
 
 @dataclass
@@ -68,9 +81,32 @@ def _word_starts(word_ids: Sequence[int]) -> np.ndarray:
     return np.concatenate([[True], w[1:] != w[:-1]]) if len(w) else np.zeros(0, dtype=bool)
 
 
-def _window_start(n: int, width: int, starts: np.ndarray, rng: np.random.Generator, cover: tuple[int, int] | None = None) -> int:
-    """A random window start; it begins on a word and, if given, contains `cover` entirely."""
-    lo, hi = 0, n - width  # inclusive
+def sentence_token_spans(text: str, offsets) -> list[tuple[int, int]]:
+    """[start, end) token ranges of the block's sentences (tokens assigned by their char start)."""
+    starts = np.asarray([int(o[0]) for o in offsets], dtype=np.int64)
+    spans = []
+    for m in _SENTENCE.finditer(text or ""):
+        idx = np.flatnonzero((starts >= m.start()) & (starts < m.end()))
+        if idx.size:
+            spans.append((int(idx[0]), int(idx[-1]) + 1))
+    return spans
+
+
+def _sentence_bounds(block_row: dict, n: int, span: tuple[int, int] | None, rng: np.random.Generator) -> tuple[int, int]:
+    """Token range of the sentence(s) that contain `span` (a split inside a name, "Dr. Smith",
+    joins two); without a span, a random sentence. The whole block when it has no sentences."""
+    sents = sentence_token_spans(block_row.get("text") or "", _as_list(block_row["offsets"]))
+    if span is not None:
+        sents = [(s, e) for s, e in sents if s < span[1] and span[0] < e]
+        return (min(s for s, _ in sents), max(e for _, e in sents)) if sents else (0, n)
+    return sents[rng.integers(len(sents))] if sents else (0, n)
+
+
+def _window_start(n: int, width: int, starts: np.ndarray, rng: np.random.Generator, cover: tuple[int, int] | None = None,
+                  bounds: tuple[int, int] | None = None) -> int:
+    """A random window start inside `bounds` (default the block); it begins on a word and, if
+    given, contains `cover` entirely."""
+    lo, hi = (0, n - width) if bounds is None else (bounds[0], bounds[1] - width)  # inclusive
     if cover is not None:
         lo, hi = max(lo, cover[1] - width), min(hi, cover[0])
     cand = [i for i in range(lo, hi + 1) if starts[i]] or list(range(lo, hi + 1))
@@ -110,8 +146,9 @@ def make_query(
 ) -> RealmQuery | None:
     """x for REALM pre-training from one retrieval-block row (see docs/contracts.md).
 
-    Takes a window of at most `query_len - 2` tokens (room for [CLS]/[SEP]) and masks it per
-    `params.masking` (module docstring). Returns None when the block offers nothing to mask.
+    Takes a window of at most `query_len - 2` tokens (room for [CLS]/[SEP]), inside the span's
+    sentence with `query_unit: sentence`, and masks it per `params.masking` (module docstring).
+    Returns None when the block offers nothing to mask.
     `row` (or `block_row["row"]`) is the block's row number, kept to exclude it from retrieval.
     """
     ids = [int(t) for t in _as_list(block_row["input_ids"])]
@@ -122,10 +159,11 @@ def make_query(
     width = min(n, params.query_len - 2)
     starts = _word_starts(word_ids)
     source_row = int(row if row is not None else block_row.get("row", -1))
+    sentence = params.query_unit == "sentence"
 
     span = None  # in block coordinates
     if params.masking in ("salient_span", "random_span"):
-        salient = [s for s in salient_token_spans(block_row, params.span_tagger) if s[1] - s[0] <= min(params.max_masks, width)]
+        salient = [s for s in salient_token_spans(block_row, span_tagger_for(params)) if s[1] - s[0] <= min(params.max_masks, width)]
     if params.masking == "salient_span":
         if not salient:
             return None
@@ -136,10 +174,16 @@ def make_query(
             if not salient:
                 return None
         span = salient[rng.integers(len(salient))]
-        w0 = _window_start(n, width, starts, rng, cover=span)
+        bounds = _sentence_bounds(block_row, n, span, rng) if sentence else None
+        if bounds is not None:
+            width = min(bounds[1] - bounds[0], params.query_len - 2)
+        w0 = _window_start(n, width, starts, rng, cover=span, bounds=bounds)
         positions = list(range(*span))
     else:
-        w0 = _window_start(n, width, starts, rng)
+        bounds = _sentence_bounds(block_row, n, None, rng) if sentence else None
+        if bounds is not None:
+            width = min(bounds[1] - bounds[0], params.query_len - 2)
+        w0 = _window_start(n, width, starts, rng, bounds=bounds)
         if params.masking == "random_span":
             lens = [e - s for s, e in salient] or list(_FALLBACK_SPAN_LENS)
             target = min(int(lens[rng.integers(len(lens))]), params.max_masks)
@@ -177,7 +221,7 @@ def unmasked_spans(q: RealmQuery, spans: set[tuple[int, ...]]) -> list[tuple[int
     return sorted(sp for sp in spans if sp != answer and contains_span(q.input_ids, sp))
 
 
-def context_spans(q: RealmQuery, block_row: dict, tagger: str = "auto") -> list[tuple[int, ...]]:
+def context_spans(q: RealmQuery, block_row: dict, tagger: TaggerLike = "auto") -> list[tuple[int, ...]]:
     """`unmasked_spans` of x's source block `block_row`."""
     return unmasked_spans(q, block_spans(block_row, tagger))
 
@@ -197,6 +241,10 @@ def iter_block_rows(blocks, columns: list[str], batch: int = 1000):
 
 def eligible_rows(blocks, p, mask_token_id: int, seed: int) -> list[int]:
     """Rows for which `make_query` yields a query (salient-span mode: the block has a usable span)."""
+    if p.masking == "salient_span":
+        tagger = span_tagger_for(p)
+        if tagger.fallback:  # resolved (and warned about) once, before the pass over the corpus
+            log.warning("realm.span_tagger=auto: the salient spans to mask come from the regex fallback, not spaCy NER")
     cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text", "block_id") if c in blocks.column_names]
     rng = np.random.default_rng(seed)
     return [r for r, row in iter_block_rows(blocks, cols) if make_query(row, p, rng, mask_token_id=mask_token_id, row=r)]
@@ -272,18 +320,50 @@ def collate_queries(queries: Sequence[RealmQuery], params, special: SpecialToken
     return {"x_input_ids": x, "x_attention_mask": _pad([[1] * len(s) for s in ids], 0), "x_labels": _pad(labels, IGNORE_INDEX)}
 
 
-def _lookup_tokens(block_token_lookup, row: int) -> list[int]:
+def _lookup_tokens(block_token_lookup, row: int, column: str = "input_ids") -> list[int]:
     item = block_token_lookup(row) if callable(block_token_lookup) else block_token_lookup[row]
     if isinstance(item, dict):
-        item = item["input_ids"]
+        item = item[column]
+    elif column != "input_ids":
+        raise ValueError(f"the block lookup gives token lists; realm.doc_input=title_body needs rows with `{column}`")
     return [int(t) for t in _as_list(item)]
 
 
-def passage_inputs(token_lists: Sequence[Sequence[int]], params, special: SpecialTokens) -> dict[str, torch.Tensor]:
-    """`[CLS] z [SEP]` (<= block_len) for `Retriever.encode_passage`: what the index must embed,
-    so that index scores and REALM's recomputed scores see the same input."""
+def _title_body(title: Sequence[int], body: Sequence[int], block_len: int, special: SpecialTokens) -> tuple[list[int], list[int]]:
+    """`[CLS] title [SEP] body [SEP]` in block_len tokens, types 0 (title part) / 1 (body part): the
+    title keeps at most block_len - 3 tokens, the body what is left (REALM's featurize_document_tf)."""
+    title = list(title)[: block_len - 3]
+    body = list(body)[: max(block_len - 3 - len(title), 0)]
+    return [special.cls, *title, special.sep, *body, special.sep], [0] * (len(title) + 2) + [1] * (len(body) + 1)
+
+
+def passage_inputs(token_lists: Sequence[Sequence[int]], params, special: SpecialTokens,
+                   titles: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+    """The document tower's input (<= block_len) for `Retriever.encode_passage(**inputs)`: what the
+    index must embed, so that index scores and REALM's recomputed scores see the same input.
+    `doc_input: body`: `[CLS] z [SEP]`; `title_body`: `[CLS] title [SEP] z [SEP]` (`titles`, token
+    ids without specials, one per block) plus `token_type_ids`."""
+    if params.doc_input == "title_body":
+        if titles is None or len(titles) != len(token_lists):
+            raise ValueError("realm.doc_input=title_body needs one title per block (the blocks' `title_ids` column: rerun tokenize)")
+        pairs = [_title_body(ti, t, params.block_len, special) for ti, t in zip(titles, token_lists)]
+        ids = [i for i, _ in pairs]
+        return {"input_ids": _pad(ids, special.pad), "attention_mask": _pad([[1] * len(s) for s in ids], 0),
+                "token_type_ids": _pad([ty for _, ty in pairs], 0)}
     ids = [[special.cls, *list(t)[: params.block_len - 2], special.sep] for t in token_lists]
     return {"input_ids": _pad(ids, special.pad), "attention_mask": _pad([[1] * len(s) for s in ids], 0)}
+
+
+def passage_columns(params) -> list[str]:
+    """The block columns `passage_batch` reads."""
+    return ["input_ids", "title_ids"] if params.doc_input == "title_body" else ["input_ids"]
+
+
+def passage_batch(rows: Sequence[dict], params, special: SpecialTokens) -> dict[str, torch.Tensor]:
+    """`passage_inputs` of block rows (dicts with `input_ids`, and `title_ids` for title_body): the
+    refresh's and the evaluation's collate."""
+    titles = [r["title_ids"] for r in rows] if params.doc_input == "title_body" else None
+    return passage_inputs([r["input_ids"] for r in rows], params, special, titles)
 
 
 def collate(
@@ -298,6 +378,9 @@ def collate(
     x_*: see `collate_queries`. z_input_ids (B, K, Lz): `z [SEP]` (z <= block_len - 2 tokens, so
     `[CLS] z [SEP]` fits block_len), the null document `[SEP]`, pad after; z_attention_mask
     (B, K, Lz); candidate_mask (B, K) bool; candidate_rows (B, K) long (for logging).
+    With `doc_input: title_body` also p_input_ids / p_attention_mask / p_token_type_ids (B, K, Lp):
+    the document tower's `[CLS] title [SEP] z [SEP]` (`passage_inputs`; the null document has an
+    empty title and body), which REALM's rescoring must embed as the index did.
     """
     cand = np.asarray(candidate_rows, dtype=np.int64)
     B, K = cand.shape
@@ -312,13 +395,20 @@ def collate(
     Lz = max(len(s) for s in z)
     z_ids = _pad(z, special.pad).view(B, K, Lz)
     z_mask = _pad([[1] * len(s) for s in z], 0).view(B, K, Lz)
-    return {
+    out = {
         **collate_queries(queries, params, special),
         "z_input_ids": z_ids,
         "z_attention_mask": z_mask,
         "candidate_mask": torch.from_numpy(cand != MISSING_ROW),
         "candidate_rows": torch.from_numpy(cand),
     }
+    if params.doc_input == "title_body":
+        flat = cand.reshape(-1)
+        bodies = [[] if r < 0 else _lookup_tokens(block_token_lookup, int(r)) for r in flat]
+        titles = [[] if r < 0 else _lookup_tokens(block_token_lookup, int(r), "title_ids") for r in flat]
+        p = passage_inputs(bodies, params, special, titles)
+        out.update({f"p_{k}": v.view(B, K, -1) for k, v in p.items()})
+    return out
 
 
 @torch.no_grad()
@@ -362,7 +452,10 @@ class RealmCollator:
 
     def __init__(self, blocks, p, special: SpecialTokens, retriever, search: Callable[[np.ndarray, int], tuple]):
         self.blocks = blocks
-        self.lookup = blocks.select_columns(["input_ids"])
+        missing = [c for c in passage_columns(p) if c not in blocks.column_names]
+        if missing:
+            raise ValueError(f"realm.doc_input={p.doc_input} needs the blocks' {missing} column(s): rerun the tokenize stage")
+        self.lookup = blocks.select_columns(passage_columns(p))
         self.p, self.special, self.retriever, self.search = p, special, retriever, search
 
     def queries(self, rows: list[int], rng: np.random.Generator) -> list[RealmQuery]:

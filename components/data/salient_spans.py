@@ -7,7 +7,10 @@ found salient spans with a BERT NER tagger plus a regex date tagger. Here:
 * `find_salient_spans(text, tagger)` -> `[(char_start, char_end, label), ...]`, sorted, non-overlapping.
   `tagger="regex"`: dependency-free (dates, years, numbers, capitalised names; see `_regex_spans`).
   `tagger="spacy"`: spaCy NER (`en_core_web_sm`); raises if spaCy or the model cannot be loaded.
-  `tagger="auto"`: spaCy when it loads, else the regex tagger (logged once).
+  `tagger="auto"`: spaCy when it loads, else the regex tagger (a WARNING, once).
+  `tagger` may also be a `SpanTagger` (`span_tagger_for(realm_params)`): the tagger plus the spaCy
+  labels that count (`realm.span_types`, REALM's named entities and dates), and `.fallback` /
+  `.kind`, what the run actually used (the REALM stage tags its MLflow run with it).
 * `char_spans_to_token_spans(char_spans, offsets)` -> `[(tok_start, tok_end), ...]` (half-open),
   using the tokenizer's `[char_start, char_end)` offsets of each token.
 * `salient_token_spans(block_row, tagger)`: a tokenized block's spans, grown to whole words;
@@ -24,7 +27,8 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from typing import Literal, Sequence
+from dataclasses import dataclass
+from typing import Literal, Sequence, Union
 
 log = logging.getLogger(__name__)
 
@@ -143,20 +147,62 @@ def spacy_available(model: str = SPACY_MODEL) -> bool:
         _load_spacy(model)
         return True
     except Exception as e:  # ImportError, OSError (model not installed), version mismatch
-        log.info("salient spans: spaCy NER unavailable (%s: %s); using the regex tagger", type(e).__name__, e)
+        # WARNING: the regex tagger also masks plain numbers and any capitalised run, not REALM's spans
+        log.warning("salient spans: spaCy NER unavailable (%s: %s); span_tagger=auto falls back to the regex tagger "
+                    "(capitalised runs, dates and numbers, not REALM's named entities). For REALM's spans: "
+                    "pip install -e .[spacy] && python -m spacy download %s", type(e).__name__, e, model)
         return False
 
 
-def _spacy_spans(text: str) -> list[Span]:
+def _spacy_spans(text: str, types: frozenset[str] | None = None) -> list[Span]:
     doc = _load_spacy()(text)
-    return sorted((e.start_char, e.end_char, e.label_) for e in doc.ents if e.end_char > e.start_char)
+    return sorted((e.start_char, e.end_char, e.label_) for e in doc.ents
+                  if e.end_char > e.start_char and (not types or e.label_ in types))
+
+
+@dataclass(frozen=True)
+class SpanTagger:
+    """A salient-span tagger: `requested` (auto | regex | spacy) and the spaCy labels that count
+    (`types`; empty = every label). `kind` is the tagger actually used and `fallback` whether
+    `auto` fell back to the regex tagger, resolved once per process."""
+
+    requested: Tagger = "auto"
+    types: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> Literal["regex", "spacy"]:
+        return resolve_tagger(self.requested)
+
+    @property
+    def fallback(self) -> bool:
+        return self.requested == "auto" and self.kind == "regex"
+
+    def __call__(self, text: str) -> list[Span]:
+        if not text:
+            return []
+        return _spacy_spans(text, frozenset(self.types)) if self.kind == "spacy" else _regex_spans(text)
+
+
+def span_tagger_for(p) -> SpanTagger:
+    """The tagger of `realm.span_tagger` / `realm.span_types` (p: components.config.RealmParams)."""
+    return SpanTagger(p.span_tagger, tuple(p.span_types))
+
+
+TaggerLike = Union[Tagger, SpanTagger]
+
+
+def as_tagger(tagger: TaggerLike) -> SpanTagger:
+    """A `SpanTagger`; a bare name keeps every label spaCy emits."""
+    return tagger if isinstance(tagger, SpanTagger) else SpanTagger(tagger)
 
 
 # ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
-def resolve_tagger(tagger: Tagger = "auto") -> Literal["regex", "spacy"]:
+def resolve_tagger(tagger: TaggerLike = "auto") -> Literal["regex", "spacy"]:
     """The tagger `find_salient_spans` will actually use for `tagger`."""
+    if isinstance(tagger, SpanTagger):
+        tagger = tagger.requested
     if tagger == "regex":
         return "regex"
     if tagger == "spacy":
@@ -167,11 +213,9 @@ def resolve_tagger(tagger: Tagger = "auto") -> Literal["regex", "spacy"]:
     raise ValueError(f"tagger must be auto|regex|spacy, got {tagger!r}")
 
 
-def find_salient_spans(text: str, tagger: Tagger = "auto") -> list[Span]:
-    """Named entities / dates / numbers in `text` as sorted `(char_start, char_end, label)`."""
-    if not text:
-        return []
-    return _spacy_spans(text) if resolve_tagger(tagger) == "spacy" else _regex_spans(text)
+def find_salient_spans(text: str, tagger: TaggerLike = "auto") -> list[Span]:
+    """Named entities / dates (/ numbers, regex) in `text` as sorted `(char_start, char_end, label)`."""
+    return as_tagger(tagger)(text)
 
 
 def char_spans_to_token_spans(
@@ -215,7 +259,7 @@ def whole_words(s: int, e: int, word_ids: Sequence[int]) -> tuple[int, int]:
     return s, e
 
 
-def salient_token_spans(block_row: dict, tagger: Tagger = "auto") -> list[tuple[int, int]]:
+def salient_token_spans(block_row: dict, tagger: TaggerLike = "auto") -> list[tuple[int, int]]:
     """Whole-word token spans of the block's salient spans (source-marked `char_spans`, else tagged)."""
     char_spans = _as_list(block_row.get("char_spans") or [])
     if len(char_spans) == 0:
@@ -225,7 +269,7 @@ def salient_token_spans(block_row: dict, tagger: Tagger = "auto") -> list[tuple[
     return sorted({whole_words(s, e, word_ids) for s, e in spans})
 
 
-def block_spans(block_row: dict, tagger: Tagger = "auto") -> set[tuple[int, ...]]:
+def block_spans(block_row: dict, tagger: TaggerLike = "auto") -> set[tuple[int, ...]]:
     """The token sequences of a block's salient spans."""
     ids = [int(t) for t in block_row["input_ids"]]
     return {tuple(ids[s:e]) for s, e in salient_token_spans(block_row, tagger) if e > s}

@@ -4,7 +4,8 @@ Output folder (swapped in atomically; schemas in docs/contracts.md):
     tokenizer/     HF tokenizer folder (trained on the corpus, or copied from a pretrained one)
     pretrain/      packed blocks for RetroMAE / MLM: block_id, input_ids, word_ids
     blocks/        retrieval blocks for REALM and eval: block_id, doc_id, title, text, input_ids,
-                   word_ids, offsets, char_spans
+                   word_ids, offsets, char_spans, title_ids (the title's tokens: REALM's document
+                   tower reads `[CLS] title [SEP] body [SEP]` with realm.doc_input=title_body)
     tokenize_card.json
 
 Token ids carry no special tokens; models add [CLS]/[SEP]. `word_ids` number whole words inside
@@ -182,6 +183,16 @@ def split_retrieval_blocks(tokenized, max_len: int) -> dict[str, list]:
     return blocks
 
 
+def title_token_ids(titles: list, tokenizer, batch_size: int = 1000) -> list[list[int]]:
+    """Token ids (no specials) of each block's title; a missing title is empty."""
+    out: list[list[int]] = []
+    for i in range(0, len(titles), batch_size):
+        chunk = [t or "" for t in titles[i:i + batch_size]]
+        out.extend(tokenizer(chunk, add_special_tokens=False, return_attention_mask=False,
+                             return_token_type_ids=False)["input_ids"])
+    return out
+
+
 def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Path,
                     warm_start: str | None = None) -> dict:
     """Run the stage body; returns the tokenize card (also written to out_dir).
@@ -210,6 +221,7 @@ def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Pa
     t0 = time.perf_counter()
     pretrain = pack_pretrain_blocks(tokenized, p.pretrain_block_len)
     blocks = split_retrieval_blocks(tokenized, p.retrieval_block_len)
+    blocks["title_ids"] = [np.asarray(t, dtype=np.int32) for t in title_token_ids(blocks["title"], tokenizer, p.batch_size)]
     t_pack = time.perf_counter() - t0
 
     with atomic_dir(out_dir) as tmp:

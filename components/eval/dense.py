@@ -20,7 +20,7 @@ from components.index.faiss_index import BlockIndex
 from components.index.refresh import embed_blocks
 from components.models.encoder import cls_pool, load_encoder
 
-EncodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids (B, L), mask (B, L)) -> (B, d)
+EncodeFn = Callable[..., torch.Tensor]  # (ids (B, L), mask (B, L)[, token types (B, L)]) -> (B, d)
 
 
 def add_specials(seqs: list[list[int]], cls_id: int, sep_id: int, pad_id: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +34,26 @@ def add_specials(seqs: list[list[int]], cls_id: int, sep_id: int, pad_id: int, m
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
     return ids, mask
+
+
+def add_specials_title_body(pairs: list[tuple[list[int], list[int]]], cls_id: int, sep_id: int, pad_id: int,
+                            max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """REALM's document input: [CLS] title [SEP] body [SEP] in max_len tokens (the title keeps at most
+    max_len - 3, the body what is left), token types 0 on `[CLS] title [SEP]`, 1 on `body [SEP]`.
+    Returns ids, mask, types (B, L)."""
+    rows, types = [], []
+    for title, body in pairs:
+        title = list(title)[: max_len - 3]
+        body = list(body)[: max(max_len - 3 - len(title), 0)]
+        rows.append([cls_id, *title, sep_id, *body, sep_id])
+        types.append([0] * (len(title) + 2) + [1] * (len(body) + 1))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    tt = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, t) in enumerate(zip(rows, types)):
+        ids[i, : len(r)], mask[i, : len(r)], tt[i, : len(t)] = torch.tensor(r), 1, torch.tensor(t)
+    return ids, mask, tt
 
 
 class HFEncoder:
@@ -84,20 +104,28 @@ def sentence_transformers_mode(folder: str | Path) -> tuple[str, bool]:
     return pooling, normalize
 
 
-def encode_token_rows(encode: EncodeFn, rows: list[list[int]], tokenizer, max_len: int, batch_size: int, desc: str) -> tuple[np.ndarray, dict]:
-    def collate(batch_rows):
-        return add_specials(batch_rows, tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, max_len)
-
-    return embed_blocks(lambda b: encode(*b), rows, batch_size, collate, progress=False, desc=desc)
+def encode_token_rows(encode: EncodeFn, rows: list[list[int]], tokenizer, max_len: int, batch_size: int, desc: str,
+                      titles: list[list[int]] | None = None) -> tuple[np.ndarray, dict]:
+    """Embed token rows as `[CLS] row [SEP]`; with `titles`, as `[CLS] title [SEP] row [SEP]` and
+    `encode(ids, mask, token_types)` (REALM's document tower with realm.doc_input=title_body)."""
+    specials = (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, max_len)
+    if titles is not None:
+        pairs = list(zip(titles, rows))
+        return embed_blocks(lambda b: encode(*b), pairs, batch_size, lambda rs: add_specials_title_body(rs, *specials),
+                            progress=False, desc=desc)
+    return embed_blocks(lambda b: encode(*b), rows, batch_size, lambda rs: add_specials(rs, *specials), progress=False, desc=desc)
 
 
 def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
 
 
-def block_index(encode_passage: EncodeFn, blocks, tokenizer, passage_len: int, batch_size: int) -> tuple[BlockIndex, dict]:
-    """Embed every retrieval block and build a flat inner-product index over them."""
-    emb, stats = encode_token_rows(encode_passage, list(blocks["input_ids"]), tokenizer, passage_len, batch_size, "embed blocks")
+def block_index(encode_passage: EncodeFn, blocks, tokenizer, passage_len: int, batch_size: int,
+                passage_titles: bool = False) -> tuple[BlockIndex, dict]:
+    """Embed every retrieval block and build a flat inner-product index over them. `passage_titles`:
+    the blocks' `title_ids` go first, in segment 0 (REALM's retriever with realm.doc_input=title_body)."""
+    titles = list(blocks["title_ids"]) if passage_titles else None
+    emb, stats = encode_token_rows(encode_passage, list(blocks["input_ids"]), tokenizer, passage_len, batch_size, "embed blocks", titles)
     return BlockIndex.build(emb, list(blocks["block_id"]), "flat", use_gpu="auto"), stats
 
 
@@ -121,11 +149,13 @@ def search_docs(index: BlockIndex, query_vecs: np.ndarray, qids: list[str], bloc
 
 
 def dense_run(encode_query: EncodeFn, encode_passage: EncodeFn, blocks, queries: dict[str, str], tokenizer, *,
-              k: int, query_len: int, passage_len: int, batch_size: int, index: BlockIndex | None = None) -> tuple[dict, dict]:
-    """Retrieve for every query. Pass `index` to search a prebuilt (e.g. stale REALM) index."""
+              k: int, query_len: int, passage_len: int, batch_size: int, index: BlockIndex | None = None,
+              passage_titles: bool = False) -> tuple[dict, dict]:
+    """Retrieve for every query. Pass `index` to search a prebuilt (e.g. stale REALM) index;
+    `passage_titles`: see `block_index`."""
     stats: dict = {}
     if index is None:
-        index, stats = block_index(encode_passage, blocks, tokenizer, passage_len, batch_size)
+        index, stats = block_index(encode_passage, blocks, tokenizer, passage_len, batch_size, passage_titles)
     qids = list(queries)
     q_vecs, _ = encode_token_rows(encode_query, tokenize_texts(tokenizer, [queries[q] for q in qids]), tokenizer, query_len, batch_size, "embed queries")
     block_doc = dict(zip(blocks["block_id"], blocks["doc_id"]))

@@ -17,6 +17,8 @@ Probe sets (`Probes`), each scored by `probe_retrieval` (recall@k, mean rank of 
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,13 +28,16 @@ import torch
 from components.config import RealmParams
 from components.data.beir import read_qrels, read_queries
 from components.data.realm_batch import RealmCollator, RealmQuery, collate_queries, context_spans, iter_block_rows, masked_answer
-from components.data.salient_spans import contains_span
+from components.data.salient_spans import contains_span, span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.index.faiss_index import BlockIndex
 from components.models.realm import REALM
 from components.models.retriever import Retriever, encode_queries
+from components.training.trainer import format_duration, progress_line
 
 RANK_DEPTH = 1000  # mean gold rank is exact up to this depth; a gold doc not found counts as depth + 1
+PROGRESS_EVERY_S = 60.0  # a long probe logs at least once a minute, whatever `progress_every` says
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,7 +135,7 @@ def heldout_probes(queries: list[RealmQuery], blocks, block_ids: np.ndarray, p: 
     `answer_blocks(queries, blocks)` when the caller already has it (it scans the whole corpus)."""
     gold_rows = answer_blocks(queries, blocks) if gold_rows is None else gold_rows
     if same_entity:
-        gold_rows = same_entity_gold(queries, gold_rows, blocks, p.span_tagger)
+        gold_rows = same_entity_gold(queries, gold_rows, blocks, span_tagger_for(p))
     keep = [i for i, g in enumerate(gold_rows) if g]
     if not keep:
         return None
@@ -186,28 +191,43 @@ def run_probes(retriever: Retriever, index: BlockIndex, probes: dict[str, Probes
     for prefix, pr in probes.items():
         if pr is None or not len(pr):
             continue
+        t0 = time.perf_counter()
         q = encode_queries(retriever, pr.x)
         keys = block_doc if pr.level == "doc" else block_ids
-        out.update({prefix + m: v for m, v in probe_retrieval(q, index, pr.gold, keys, k, pr.exclude).items()})
+        got = probe_retrieval(q, index, pr.gold, keys, k, pr.exclude)
+        out.update({prefix + m: v for m, v in got.items()})
+        log.info("realm.probe %s: %d queries, recall@%d %.3f, mean rank %.1f in %s", pr.kind, len(pr), k,
+                 got["recall_at_k"], got["mean_rank"], format_duration(time.perf_counter() - t0))
     return out
 
 
 @torch.no_grad()
 def evaluate_mlm(model: REALM, collator: RealmCollator, queries: list[RealmQuery], index: BlockIndex,
-                 batch_size: int = 16) -> dict[str, float]:
-    """Masked-token accuracy / loss of the marginal p(y|x) on fixed queries against `index` (eval mode)."""
+                 batch_size: int = 16, progress_every: int = 0) -> dict[str, float]:
+    """Masked-token accuracy / loss of the marginal p(y|x) on fixed queries against `index` (eval mode).
+
+    A progress line (`realm.probe.mlm step 3/10 (30%) loss ... eta ...`) every `progress_every`
+    batches (`tracking.progress_every`; 0: by time only), and at least every PROGRESS_EVERY_S seconds."""
     if not queries:
         return {}
     was = model.training
     model.eval()
-    acc = loss = n = 0.0
+    acc = loss = n = seen = 0.0
+    steps = -(-len(queries) // batch_size)
+    t0 = last = time.perf_counter()
     try:
-        for i in range(0, len(queries), batch_size):
+        for step, i in enumerate(range(0, len(queries), batch_size), start=1):
             batch = collator.batch(queries[i:i + batch_size], index.search, model.retriever)
             dev = next(model.parameters()).device
             out = model({k: v.to(dev) for k, v in batch.items()})
-            m = float(out["num_tokens"])
+            m = float(out["num_masked"])  # acc and loss are means over the masked tokens
             acc, loss, n = acc + float(out["mlm_acc"]) * m, loss + float(out["loss"]) * m, n + m
+            seen += float(out["num_tokens"])
+            now = time.perf_counter()
+            if (progress_every and step % progress_every == 0) or now - last >= PROGRESS_EVERY_S or (step == steps and last > t0):
+                eta = (now - t0) / step * (steps - step)
+                log.info("%s", progress_line("realm.probe.mlm", step, steps, {"loss": loss / max(n, 1), "tokens_per_s": seen / max(now - t0, 1e-9)}, eta))
+                last = now
     finally:
         model.train(was)
     return {"mlm_acc": acc / max(n, 1), "loss": loss / max(n, 1), "tokens": n}

@@ -6,12 +6,15 @@ failed refresh from stopping training, records every refresh, and rebuilds the f
     Trainer(..., hooks={"on_train_start": refresh.on_train_start, "on_step_end": refresh.on_step_end}).fit()
     refresh.finish(trainer); refresh.close()
 
-One refresh (`IndexRefresh.refresh`) = `embed_and_build` (embed every block with `passage_inputs`,
+One refresh (`IndexRefresh.refresh`) = `embed_and_build` (embed every block with `passage_batch`,
 the exact input REALM's rescoring sees, then build) -> staleness and probes (rank 0) -> publish to
 the `IndexStore`. It runs through a wrapper (`refresh_wrapper(body, step=, reason=)`; the Prefect
 flow passes one that makes it the `refresh_index` subflow) and is an MLflow child run of `run`.
 
-Multi-process: every rank builds the same index from its (DDP-identical) weights; only rank 0
+Multi-process: the refresh is sharded (components/index/shard.py): each rank embeds 1/N of the
+blocks with its snapshot of the (DDP-identical) weights, the rows are all-gathered, and every rank
+builds the same index, bit for bit the one a single process builds. Each refresh starts and is
+swapped in at the same step on every rank, and fails on all of them or none. Only rank 0
 publishes, logs and probes (docs/experiments/realm.md says why). `run`, the probes and the trainer
 are passed in, so this module needs neither tracking nor eval nor training.
 """
@@ -34,10 +37,11 @@ import numpy as np
 import torch
 
 from components.config import RealmParams
-from components.data.realm_batch import passage_inputs
+from components.data.realm_batch import passage_batch
 from components.data.special_tokens import SpecialTokens
 from components.index.faiss_index import BlockIndex, IndexStore
-from components.index.refresh import AsyncRefresher, RefreshResult, embed_and_build, snapshot_module, staleness
+from components.index.refresh import RefreshResult, snapshot_module, staleness
+from components.index.shard import CollectiveRefresher, RefreshGroups, embed_and_build_sharded
 from components.io import write_json_atomic
 from components.models.retriever import Retriever, encode_queries
 
@@ -81,8 +85,9 @@ class IndexRefresh:
     """Owns the index during training: the initial build, the cadence (AsyncRefresher), the swap at
     step boundaries, failure handling, the per-refresh records and the final build.
 
-    `embed_and_build` reads `embed_blocks` from components.index.refresh at call time, so a test
-    can inject a failing embed there.
+    Each build reads `embed_blocks` from components.index.refresh at call time, so a test can
+    inject a failing embed there. Under torch.distributed, construct it on every rank at the same
+    point (it creates the refresh's process groups).
     """
 
     def __init__(self, ctx: RefreshContext, store: IndexStore, *, run=None, wrapper: RefreshWrapper | None = None,
@@ -91,7 +96,8 @@ class IndexRefresh:
         self.wrapper = wrapper or plain_wrapper
         self.history_path = history_path
         self.history: list[dict] = []
-        self.refresher: AsyncRefresher | None = None
+        self.refresher: CollectiveRefresher | None = None
+        self.groups = RefreshGroups.create()
         self._prefect_ctx: contextvars.Context | None = None
         # The index the next batch searches. Assigned only in the training thread at a step boundary;
         # the refresh thread only reads it (for staleness), so no lock is needed.
@@ -122,7 +128,8 @@ class IndexRefresh:
 
         ctx = self._prefect_ctx or contextvars.copy_context()
         self._prefect_ctx = None
-        stats = ctx.run(self.wrapper, body, step=step, reason=reason)
+        # guard: a rank that fails before its shard's vote (e.g. rank 0's child run) still votes
+        stats = self.groups.guard(lambda: ctx.run(self.wrapper, body, step=step, reason=reason))
         return holder["index"], stats
 
     def _build(self, retriever: Retriever, step: int, reason: str, tags: dict | None) -> tuple[BlockIndex, dict]:
@@ -136,12 +143,13 @@ class IndexRefresh:
             amp = (torch.autocast(device_type=dev.type, dtype=c.amp_dtype) if c.amp_dtype is not None else contextlib.nullcontext())
 
             def encode(batch):
-                return retriever.encode_passage(batch["input_ids"].to(dev), batch["attention_mask"].to(dev))
+                return retriever.encode_passage(**{k: v.to(dev) for k, v in batch.items()})
 
             with amp:
-                index, st = embed_and_build(encode, c.blocks, c.block_ids, batch_size=c.p.embed_batch_size,
-                                            collate=lambda rows: passage_inputs([r["input_ids"] for r in rows], c.p, c.special),
-                                            index_type=c.p.index_type, step=step, auto_flat_max=c.p.index_auto_flat_max)
+                index, st = embed_and_build_sharded(
+                    encode, c.blocks, c.block_ids, batch_size=c.p.embed_batch_size, groups=self.groups,
+                    collate=lambda rows: passage_batch(rows, c.p, c.special),
+                    index_type=c.p.index_type, step=step, auto_flat_max=c.p.index_auto_flat_max)
             stats: dict[str, Any] = {"step": step, "reason": reason, "index_size": len(index), "index_type": index.index_type,
                                      "embed_seconds": st["seconds"], "build_seconds": st["build_seconds"],
                                      "blocks_per_s": st["blocks_per_s"], "tokens_per_s": st["tokens_per_s"], "n_tokens": st["n_tokens"]}
@@ -212,9 +220,9 @@ class IndexRefresh:
         index, stats = self.refresh(snapshot_module(retriever), step, "initial")
         self._swap(index, stats, step)
         every = self.ctx.p.refresh_every
-        self.refresher = AsyncRefresher(
+        self.refresher = CollectiveRefresher(
             lambda snap, s: self.refresh(snap, s, "cadence"), on_done=self._on_done, on_error=self._on_error,
-            every=every, mode=self.ctx.p.refresh_mode,
+            every=every, mode=self.ctx.p.refresh_mode, groups=self.groups,
             start_step=step - step % every if every else step,  # keep the cadence grid across a resume
         )
 
@@ -228,8 +236,9 @@ class IndexRefresh:
             # Captured here, on the training thread: the refresh thread runs the subflow inside this
             # context, so Prefect sees the stage's flow/task run as the parent (a true subflow).
             self._prefect_ctx = contextvars.copy_context()
-            if r.maybe_start(step, trainer.raw_model.retriever) and r.mode == "sync":
-                r.poll(step)  # sync: built inline; swap it in at this same boundary
+            r.maybe_start(step, trainer.raw_model.retriever)
+            if r.mode == "sync":  # built inline; swap it in at this same boundary (a poll on every
+                r.poll(step)      # rank, started or not: under torch.distributed it is collective)
 
     def finish(self, trainer) -> dict:
         """Deliver an in-flight build, then make sure the final index embeds the final weights."""
@@ -238,7 +247,8 @@ class IndexRefresh:
             self.refresher.wait(step=step)
             self.refresher.close()
         self.train_index = self.active
-        if self.rank0 and self.train_index.step != step:  # only rank 0 saves it; the other ranks are done
+        # Only rank 0 saves it; a sharded build needs every rank (the steps agree on all of them).
+        if (self.rank0 or self.groups.active) and self.train_index.step != step:
             index, stats = self.refresh(snapshot_module(trainer.raw_model.retriever), step, "final")
             self._swap(index, stats, step)
         return self.refresher.timing() if self.refresher is not None else {}

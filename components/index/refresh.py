@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from components.index.faiss_index import BlockIndex
 from components.models.encoder import unwrap
 
 BuildFn = Callable[[Any, int], "tuple[BlockIndex, dict]"]
+log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 60.0  # a long embedding pass logs at least once a minute, also without a TTY (tqdm may be off)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,19 +96,24 @@ def embed_blocks(
     *,
     progress: bool = True,
     desc: str = "embed blocks",
+    log_every: int = 0,
+    log_every_s: float = PROGRESS_EVERY_S,
 ) -> tuple[np.ndarray, dict]:
     """Embed every block: `encode_fn(collate(rows))` -> (B, d), stacked to (N, d) float32.
 
     `blocks` is any iterable of rows or an HF `Dataset`; `collate=None` hands `encode_fn` the list
     of rows. Runs under `torch.inference_mode()`. Returns `(embeddings, stats)` with stats
-    `n_blocks, n_tokens, dim, seconds, blocks_per_s, tokens_per_s`.
+    `n_blocks, n_tokens, dim, seconds, blocks_per_s, tokens_per_s`. A progress line goes to
+    `logging` (INFO) after every `log_every` blocks (0: none by count) and whenever `log_every_s`
+    seconds passed since the last one, whatever tqdm (`progress`) shows.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     total = len(blocks) if hasattr(blocks, "__len__") else None
     chunks: list[np.ndarray] = []
-    n_tokens = 0
-    t0 = time.perf_counter()
+    n_tokens = n_done = 0
+    t0 = last_line = time.perf_counter()
+    next_count = log_every if log_every > 0 else None
     with torch.inference_mode(), tqdm(total=total, desc=desc, unit="block", disable=not progress, mininterval=5) as bar:
         for rows in _iter_batches(blocks, batch_size):
             batch = collate(rows) if collate is not None else rows
@@ -117,7 +125,14 @@ def embed_blocks(
                 raise ValueError(f"encode_fn returned shape {out.shape} for a batch of {len(rows)} blocks; want (B, d)")
             chunks.append(out)
             n_tokens += _count_tokens(rows, batch)
+            n_done += len(rows)
             bar.update(len(rows))
+            now = time.perf_counter()
+            if (next_count is not None and n_done >= next_count) or now - last_line >= log_every_s:
+                log.info("%s", _progress_line(desc, n_done, total, now - t0))
+                last_line = now
+                while next_count is not None and next_count <= n_done:
+                    next_count += log_every
     seconds = time.perf_counter() - t0
     if not chunks:
         raise ValueError("no blocks to embed")
@@ -133,6 +148,20 @@ def embed_blocks(
     return emb, stats
 
 
+def _progress_line(desc: str, done: int, total: int | None, elapsed: float) -> str:
+    """`embed blocks 12800/650000 (1%) blocks/s 840 eta 12m51s`."""
+    rate = done / max(elapsed, 1e-9)
+    if total:
+        left = max(0.0, (total - done) / max(rate, 1e-9))
+        return f"{desc} {done}/{total} ({100 * done // total}%) blocks/s {rate:.0f} eta {_duration(left)}"
+    return f"{desc} {done} blocks/s {rate:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def embed_and_build(
     encode_fn: Callable[[Any], torch.Tensor | np.ndarray],
     blocks: Iterable,
@@ -143,6 +172,7 @@ def embed_and_build(
     index_type: str = "auto",
     step: int | None = None,
     progress: bool = False,
+    log_every: int = 0,
     **build_kwargs: Any,
 ) -> tuple[BlockIndex, dict]:
     """embed_blocks + BlockIndex.build: a fresh index of every block, the body of each refresh
@@ -150,9 +180,9 @@ def embed_and_build(
 
     `ids`: one block id per block, in order (e.g. `dataset["block_id"]`). `build_kwargs` go to
     `build_index` (auto_flat_max, use_gpu, nprobe, ...). Stats: the embed stats plus
-    `build_seconds` and `index_type`.
+    `build_seconds` and `index_type`. `log_every`: see `embed_blocks` (a line a minute regardless).
     """
-    emb, stats = embed_blocks(encode_fn, blocks, batch_size, collate, progress=progress)
+    emb, stats = embed_blocks(encode_fn, blocks, batch_size, collate, progress=progress, log_every=log_every)
     index = BlockIndex.build(emb, ids, index_type, step=step, **build_kwargs)  # type: ignore[arg-type]
     return index, {**stats, "build_seconds": index.meta["build_seconds"], "index_type": index.index_type}
 

@@ -156,7 +156,9 @@ class REALM(nn.Module):
         z_input_ids (B, K, Lz) `z [SEP]` per candidate, slot 0 = null document `[SEP]`,
         z_attention_mask (B, K, Lz), candidate_mask (B, K) optional (False: no document, e.g.
         the index returned fewer than K; such slots get p(z|x) = 0).
-    Returns scalars: loss, mlm_acc, retrieval_entropy, p_null, retrieval_utility, num_tokens.
+    Returns scalars: loss, mlm_acc, retrieval_entropy, p_null, retrieval_utility, num_masked (the M
+    masked tokens the loss averages over) and num_tokens (the real tokens the knowledge-augmented
+    encoder read, for tokens/s).
     """
 
     def __init__(
@@ -197,12 +199,18 @@ class REALM(nn.Module):
         x_ids, x_mask = batch["x_input_ids"], batch["x_attention_mask"]
         z_ids, z_mask = batch["z_input_ids"], batch["z_attention_mask"]
         B, K, Lz = z_ids.shape
-        # Embed_doc input is `[CLS] z [SEP]`; x_ids[:, 0] is the [CLS] id, so no tokenizer is needed here.
-        cls_col = x_ids[:, :1, None].expand(B, K, 1)
-        p_ids = torch.cat([cls_col, z_ids], dim=-1).view(B * K, Lz + 1)  # (B*K, 1+Lz)
-        p_mask = torch.cat([torch.ones_like(z_mask[..., :1]), z_mask], dim=-1).view(B * K, Lz + 1)
+        if "p_input_ids" in batch:
+            # realm.doc_input=title_body: the collator built the document tower's own input,
+            # `[CLS] title [SEP] body [SEP]` with token types 0 / 1, beside the reader's z.
+            p_ids, p_mask, p_types = (batch[f"p_{k}"].flatten(0, 1) for k in ("input_ids", "attention_mask", "token_type_ids"))
+        else:
+            # Embed_doc input is `[CLS] z [SEP]`; x_ids[:, 0] is the [CLS] id, so no tokenizer is needed here.
+            cls_col = x_ids[:, :1, None].expand(B, K, 1)
+            p_ids = torch.cat([cls_col, z_ids], dim=-1).view(B * K, Lz + 1)  # (B*K, 1+Lz)
+            p_mask = torch.cat([torch.ones_like(z_mask[..., :1]), z_mask], dim=-1).view(B * K, Lz + 1)
+            p_types = None
         q = self.retriever.encode_query(x_ids, x_mask)  # (B, d)
-        d = self.retriever.encode_passage(p_ids, p_mask).view(B, K, -1)  # (B, K, d)
+        d = self.retriever.encode_passage(p_ids, p_mask, p_types).view(B, K, -1)  # (B, K, d)
         # float32 even under bf16 autocast: scores of tens with bf16's 8-bit mantissa would be
         # rounded by ~0.25, enough to reorder close candidates in p(z|x).
         with torch.autocast(device_type=q.device.type, enabled=False):
@@ -224,7 +232,8 @@ class REALM(nn.Module):
         if M == 0:  # nothing masked: a zero loss that still touches the graph (DDP-safe)
             zero = log_pz.sum() * 0.0
             return {"loss": zero, "mlm_acc": zero.detach(), "retrieval_entropy": zero.detach(),
-                    "p_null": zero.detach(), "retrieval_utility": zero.detach(), "num_tokens": zero.detach()}
+                    "p_null": zero.detach(), "retrieval_utility": zero.detach(), "num_masked": zero.detach(),
+                    "num_tokens": zero.detach()}
 
         ka_ids, ka_mask, ka_types = knowledge_augmented_inputs(
             x_ids, x_mask, batch["z_input_ids"], batch["z_attention_mask"], self.knowledge_augmented_encoder.pad_token_id)
@@ -246,7 +255,8 @@ class REALM(nn.Module):
 
         with torch.no_grad():
             stats = self._stats(log_py_all, log_py, log_pz, log_pz_tok, targets)
-        return {"loss": loss, **stats, "num_tokens": torch.tensor(float(M), device=loss.device)}
+        return {"loss": loss, **stats, "num_masked": torch.tensor(float(M), device=loss.device),
+                "num_tokens": ka_mask.sum().detach().float()}
 
     @staticmethod
     def _stats(log_py_all, log_py, log_pz, log_pz_tok, targets) -> dict[str, torch.Tensor]:

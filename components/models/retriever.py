@@ -141,18 +141,21 @@ class Retriever(nn.Module):
         return self.query_projection if self.share_towers else self._passage_projection
 
     @staticmethod
-    def _embed(encoder: nn.Module, proj: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask,
-                         token_type_ids=torch.zeros_like(input_ids)).last_hidden_state  # (N, L, H)
+    def _embed(encoder: nn.Module, proj: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids  # (N, L)
+        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=types).last_hidden_state  # (N, L, H)
         return proj(hidden[:, 0])  # (N, d): projected [CLS]
 
     def encode_query(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Embed_input(x): (B, L) -> (B, d)."""
         return self._embed(self.query_encoder, self.query_projection, input_ids, attention_mask)
 
-    def encode_passage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Embed_doc(z): (N, L) -> (N, d)."""
-        return self._embed(self.passage_encoder, self.passage_projection, input_ids, attention_mask)
+    def encode_passage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Embed_doc(z): (N, L) -> (N, d). `token_type_ids` (N, L): REALM's `[CLS] title [SEP] body [SEP]`
+        has 0 on the title part, 1 on the body (`realm.doc_input: title_body`); None = all 0."""
+        return self._embed(self.passage_encoder, self.passage_projection, input_ids, attention_mask, token_type_ids)
 
     def forward(self, query_ids, query_mask, passage_ids, passage_mask) -> torch.Tensor:
         """Relevance scores (B, N) of every query against every passage (inner products)."""

@@ -44,6 +44,7 @@ from components.models.encoder import warm_start_path
 from components.paths import (CORPUS, FINETUNE_RETRIEVERS, INIT_ENCODER, METRICS, MLM_ENCODER, PLOTS, REALM_OUT, RETROMAE_ENCODER,
                               TOKENS)
 from components.retrieval.bm25 import BM25Retriever
+from components.tracking import latest_stage_run
 from components.training.trainer import autocast_for
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ def _realm_retriever():
     if not folder.exists():
         return None
     r = Retriever.from_pretrained(folder).eval()
-    return (lambda ids, mask: r.encode_query(ids, mask)), (lambda ids, mask: r.encode_passage(ids, mask))
+    # the passage tower takes token types for `realm.doc_input: title_body` (None: all type 0)
+    return (lambda ids, mask: r.encode_query(ids, mask)), (lambda ids, mask, types=None: r.encode_passage(ids, mask, types))
 
 
 def _realm_index(which: str):
@@ -162,9 +164,10 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
                      **{key: v for key, v in m.items() if key != "per_query"}})
         log.info("%-12s %-14s nDCG@10=%.3f R@%d=%.3f (%.1fs)", es.name, system, m["ndcg_at_10"], k, m[f"recall_at_{k}"], seconds)
 
-    def add_dense(system: str, eq: Callable, ep: Callable, tok=tokenizer, blocks=None, index=None) -> None:
+    def add_dense(system: str, eq: Callable, ep: Callable, tok=tokenizer, blocks=None, index=None, titles=False) -> None:
         t0 = time.perf_counter()
-        run, _ = dense_run(eq, ep, es.blocks if blocks is None else blocks, queries, tok, index=index, **dense_kw)
+        run, _ = dense_run(eq, ep, es.blocks if blocks is None else blocks, queries, tok, index=index,
+                           passage_titles=titles, **dense_kw)
         add(system, run, time.perf_counter() - t0)
 
     t0 = time.perf_counter()
@@ -186,7 +189,7 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
             index = _realm_index(which) if es.is_main else None
             if index is None and not es.is_main and system == "realm-stale":
                 continue  # the stale index only exists for the pre-training corpus
-            add_dense(system, eq, ep, index=index)
+            add_dense(system, eq, ep, index=index, titles=params.realm.doc_input == "title_body")
 
     for start in finetuned_starts():
         enc = HFEncoder.load(FINETUNE_RETRIEVERS / start)
@@ -240,11 +243,9 @@ def training_curves(run) -> dict[str, list[tuple[float, float]]]:
     curves = {}
     exp = run.client.get_experiment_by_name(run.params.tracking.experiment)
     for stage in ("pretrain_retromae", "pretrain_mlm", "pretrain_realm"):
-        found = run.client.search_runs([exp.experiment_id], f"tags.`dvc.stage` = '{stage}' and attributes.status = 'FINISHED'",
-                                       order_by=["attributes.start_time DESC"], max_results=50)
-        found = [r for r in found if "rr.kind" not in r.data.tags]  # the stage run, not its refresh_index children
-        if found:
-            hist = run.client.get_metric_history(found[0].info.run_id, "loss")
+        found = latest_stage_run(run.client, [exp.experiment_id], stage)
+        if found is not None:
+            hist = run.client.get_metric_history(found.info.run_id, "loss")
             curves[f"{stage} loss"] = [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)]
     return {k: v for k, v in curves.items() if v}
 

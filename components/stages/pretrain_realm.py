@@ -15,6 +15,8 @@ refreshed MIPS index.
    candidates searched in the CURRENT index, slot 0 the null document; REALM.forward rescores them
    with gradients into both towers). `IndexRefresh` (components/index/realm_refresh.py) builds the
    first index, refreshes it every `realm.refresh_every` steps and swaps it in at step boundaries.
+   Under torchrun each refresh is sharded: every rank embeds 1/N of the blocks, the rows are
+   all-gathered and every rank builds the same index (components/index/shard.py).
 4. The end: held-out masked-token accuracy and probe recall with the final index and with the one
    training last used; models/realm/ (retriever/, knowledge_augmented_encoder/, index/first/,
    index/final/, model_card.md, realm_config.json), metrics/pretrain_realm.json and
@@ -38,7 +40,9 @@ import numpy as np
 
 from components import paths
 from components.config import Params
-from components.data.realm_batch import RealmCollator, RealmQuery, SpecialTokens, collate_queries, eligible_rows, fixed_queries
+from components.data.realm_batch import (RealmCollator, RealmQuery, SpecialTokens, collate_queries, eligible_rows, fixed_queries,
+                                         passage_columns)
+from components.data.salient_spans import span_tagger_for
 from components.eval.realm_probes import evaluate_mlm, probe_sets, run_probes
 from components.index.faiss_index import IndexStore
 from components.index.realm_refresh import IndexRefresh, RefreshContext, RefreshWrapper
@@ -135,6 +139,7 @@ def train_realm(
     from components.data.tokenize import load_tokenizer
 
     p = params.realm
+    pe = params.tracking.progress_every  # progress lines in the probes too
     tokenizer = load_tokenizer(tokens_dir / "tokenizer")
     special = SpecialTokens.from_tokenizer(tokenizer)
     blocks = datasets.load_from_disk(str(tokens_dir / "blocks"))
@@ -144,7 +149,9 @@ def train_realm(
     # The process group must exist before asking for the rank (the Trainer would create it later, too late).
     rank0 = D.init_distributed(params.compute).rank == 0
     if run is not None and rank0:
-        run.set_tags({"realm.retriever_init": p.retriever_init, "realm.refresh_mode": p.refresh_mode})
+        tagger = span_tagger_for(p)
+        run.set_tags({"realm.retriever_init": p.retriever_init, "realm.refresh_mode": p.refresh_mode,
+                      "realm.span_tagger": "regex (auto fallback)" if tagger.fallback else tagger.kind})
 
     seed = params.compute.seed
     train_rows, held, held_queries, stale_x = _split_rows(blocks, p, special, seed)
@@ -173,7 +180,7 @@ def train_realm(
     store = IndexStore(ckpt_root / "index", use_gpu="auto")
     collator = RealmCollator(blocks, p, special, model.retriever, store.search)
     recorder = _Recorder(run)
-    refresh = IndexRefresh(RefreshContext(blocks.select_columns(["input_ids"]), block_ids, p, special, stale_x, probe),
+    refresh = IndexRefresh(RefreshContext(blocks.select_columns(passage_columns(p)), block_ids, p, special, stale_x, probe),
                            store, run=run, wrapper=refresh_wrapper, history_path=ckpt_root / "refresh_history.json", rank0=rank0)
     ev_start: dict[str, float] = {}
 
@@ -181,7 +188,7 @@ def train_realm(
         refresh.on_train_start(step, trainer)
         if rank0 and step == 0:  # the start of the curve: held-out accuracy before any update (not on a resume)
             with autocast_for(params.compute.precision, trainer.device):
-                ev_start.update(evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.active))
+                ev_start.update(evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.active, progress_every=pe))
 
     trainer = Trainer(model, train_rows, collator, train, params.compute, ckpt_root, log_fn=recorder,
                       hooks={"on_train_start": on_train_start, "on_step_end": refresh.on_step_end},
@@ -204,8 +211,8 @@ def train_realm(
     final_index = refresh.active
     stale_at_end = refresh.train_index is not final_index
     with autocast_for(params.compute.precision, trainer.device):
-        ev = evaluate_mlm(trainer.raw_model, collator, held_queries, final_index)
-        ev_train = evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.train_index) if stale_at_end else ev
+        ev = evaluate_mlm(trainer.raw_model, collator, held_queries, final_index, progress_every=pe)
+        ev_train = evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.train_index, progress_every=pe) if stale_at_end else ev
     last, start = refresh.ok_rows[-1], refresh.ok_rows[0]
     train_probe = probe(trainer.raw_model.retriever, refresh.train_index) if stale_at_end else last
     cadence = [r for r in refresh.history if r.get("reason") == "cadence"]

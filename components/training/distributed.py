@@ -7,6 +7,12 @@ processes. Launching N processes is the caller's job (the Prefect flow):
     rc = run_streaming(cmd, env={"OMP_NUM_THREADS": "1"}, log=logger.info)
 
 which runs `python -m torch.distributed.run --standalone --nproc_per_node=2 -m components.stages.retromae ...`.
+On several nodes every node runs the same command with the same rendezvous (c10d: the store lives
+on `rdzv_endpoint`'s host, and the launchers agree on ranks there):
+
+    torchrun_command(module, [], nproc=8, nnodes=2, rdzv_endpoint="node0:29400", rdzv_id="run-42")
+    # -> ... --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=node0:29400 --rdzv-id=run-42 ...
+
 Collectives here never pickle: only tensors travel between ranks.
 """
 
@@ -128,24 +134,52 @@ def broadcast_int(value: int, device: torch.device, src: int = 0) -> int:
 # launching
 # ----------------------------------------------------------------------------------------------
 def torchrun_command(
-    module_or_script: str, args: Sequence[str] = (), nproc: int = 1, python: str | None = None
+    module_or_script: str, args: Sequence[str] = (), nproc: int = 1, python: str | None = None, *,
+    nnodes: int = 1, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
 ) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc_per_node=N (-m module | script.py) args...`.
+    """`python -m torch.distributed.run <rendezvous> --nproc_per_node=N (-m module | script.py) args...`.
 
+    One node without an endpoint: `--standalone`. Else `--nnodes=M` and a c10d rendezvous at
+    `rdzv_endpoint` (host:port) under `rdzv_id`, which every node's launcher must share (and no
+    other run may use at the same time on that endpoint).
     A path (ends in .py or contains a path separator) is run as a script, anything else as a module.
     torchrun's argparse scans the script's args too: an option that abbreviates two or more of
     torchrun's own (`--log`, `--max`) makes it exit with "ambiguous option", so that is refused here.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1 (got {nproc})")
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be >= 1 (got {nnodes})")
     _check_script_args(args)
+    if nnodes == 1 and not rdzv_endpoint:
+        rendezvous = ["--standalone"]
+    else:
+        if not rdzv_endpoint or not rdzv_id:
+            raise ValueError(f"nnodes={nnodes} needs compute.rdzv_endpoint (host:port) and a rendezvous id")
+        rendezvous = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
     is_script = module_or_script.endswith(".py") or os.sep in module_or_script or "/" in module_or_script
     target = [module_or_script] if is_script else ["-m", module_or_script]
     return [
         python or sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc_per_node={nproc}",
+        *rendezvous, f"--nproc_per_node={nproc}",
         *target, *map(str, args),
     ]  # fmt: skip
+
+
+ENV_RDZV_ENDPOINT, ENV_RDZV_ID = "RR_RDZV_ENDPOINT", "RR_RDZV_ID"
+
+
+def launch_command(compute: ComputeParams, module: str, args: Sequence[str] = (), run_id: str | None = None) -> list[str]:
+    """`torchrun_command` from `compute`: nproc per node, nnodes, and for nnodes > 1 the rendezvous.
+
+    Where the rendezvous lives is the cluster's business, not the experiment's (a pod's DNS name,
+    a job id), so $RR_RDZV_ENDPOINT / $RR_RDZV_ID (set by infra/prefect/k8s-gpu-multinode-job-
+    template.yaml on every pod) take precedence over `compute.rdzv_endpoint` / `compute.rdzv_id`;
+    the id falls back to `run_id` (the stage's MLflow run on the launching node)."""
+    endpoint = os.environ.get(ENV_RDZV_ENDPOINT) or compute.rdzv_endpoint
+    rdzv_id = os.environ.get(ENV_RDZV_ID) or compute.rdzv_id or run_id
+    return torchrun_command(module, args, compute.nproc, nnodes=compute.nnodes,
+                            rdzv_endpoint=endpoint if compute.nnodes > 1 else None, rdzv_id=rdzv_id)
 
 
 def _check_script_args(args: Sequence[str]) -> None:

@@ -130,6 +130,9 @@ def mix_seed(*parts: int) -> int:
 
 
 def warmup_steps(train: TrainParams) -> int:
+    # `realm.train.warmup_rule: realm` is the REALM/ORQA reference's rule (realm/model.py, orqa/models/ict_model.py)
+    if getattr(train, "warmup_rule", "ratio") == "realm":
+        return min(10000, max(100, int(train.max_steps / 10)))
     return int(train.warmup_ratio * train.max_steps)
 
 

@@ -30,7 +30,7 @@ from components.data.ict_batch import ICTCollator, ict_eligible_rows
 from components.data.realm_batch import (
     NULL_ROW, RealmQuery, collate, iter_block_rows, make_query, masked_answer, unmasked_spans,
 )
-from components.data.salient_spans import block_spans
+from components.data.salient_spans import TaggerLike, block_spans, span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.models.ict import ICTModel
 from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
@@ -78,7 +78,7 @@ class SalientSpanIndex:
     Memory is one entry per (block, distinct salient span), the cost of one `eligible_rows` pass;
     a lookup intersects short posting lists, never scans the corpus."""
 
-    def __init__(self, blocks, tagger: str = "auto"):
+    def __init__(self, blocks, tagger: TaggerLike = "auto"):
         cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text") if c in blocks.column_names]
         self.spans_of: dict[int, set[tuple[int, ...]]] = {}
         self.rows_of: dict[tuple[int, ...], set[int]] = {}
@@ -162,7 +162,9 @@ class ReaderWarmupCollator:
         rng = np.random.default_rng(generator.initial_seed() if generator is not None else 0)
         examples = self.examples(rows, rng)
         slots = np.asarray([[NULL_ROW, i] for i in range(len(examples))], dtype=np.int64).reshape(len(examples), 2)
-        batch = collate([q for q, _ in examples], slots, [z for _, z in examples], self.p, self.special)
+        # only the reader reads here: no document-tower input (doc_input body)
+        batch = collate([q for q, _ in examples], slots, [z for _, z in examples], self.p.model_copy(update={"doc_input": "body"}),
+                        self.special)
         return {**{k: batch[k] for k in ("x_input_ids", "x_attention_mask", "x_labels")},
                 "z_input_ids": batch["z_input_ids"][:, 1:], "z_attention_mask": batch["z_attention_mask"][:, 1:]}  # drop the null slot
 
@@ -192,7 +194,7 @@ def reader_warmup(reader: KnowledgeAugmentedEncoder, blocks, rows: list[int], pa
     task. The retriever is untouched. `rows` must leave out the held-out blocks; they are also the
     only documents the `answer_block` task reads."""
     p = params.realm
-    spans = SalientSpanIndex(blocks, p.span_tagger) if p.reader_warmup_doc == "answer_block" or p.reader_warmup_swap_answer else None
+    spans = SalientSpanIndex(blocks, span_tagger_for(p)) if p.reader_warmup_doc == "answer_block" or p.reader_warmup_swap_answer else None
     collator = ReaderWarmupCollator(blocks, p, special, spans, set(rows))
     return run_warmup(ReaderWarmupModel(reader), rows, collator, params, out_dir, log_fn,
                       name="reader_warmup", steps=p.reader_warmup_steps, lr=p.reader_warmup_lr,
