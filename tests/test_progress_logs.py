@@ -65,7 +65,7 @@ def test_realm_probe_logs_progress_lines(caplog, monkeypatch):
             self.w = torch.nn.Parameter(torch.zeros(1))
 
         def forward(self, batch):
-            return {"num_tokens": torch.tensor(4.0), "mlm_acc": torch.tensor(0.5), "loss": torch.tensor(2.0)}
+            return {"num_masked": torch.tensor(4.0), "num_tokens": torch.tensor(40.0), "mlm_acc": torch.tensor(0.5), "loss": torch.tensor(2.0)}
 
     class Collator:
         def batch(self, queries, search, retriever):

@@ -210,7 +210,8 @@ class REALM(nn.Module):
             p_mask = torch.cat([torch.ones_like(z_mask[..., :1]), z_mask], dim=-1).view(B * K, Lz + 1)
             p_types = None
         q = self.retriever.encode_query(x_ids, x_mask)  # (B, d)
-        d = self.retriever.encode_passage(p_ids, p_mask, p_types).view(B, K, -1)  # (B, K, d)
+        types = {} if p_types is None else {"token_type_ids": p_types}  # body-only towers take no token types
+        d = self.retriever.encode_passage(p_ids, p_mask, **types).view(B, K, -1)  # (B, K, d)
         # float32 even under bf16 autocast: scores of tens with bf16's 8-bit mantissa would be
         # rounded by ~0.25, enough to reorder close candidates in p(z|x).
         with torch.autocast(device_type=q.device.type, enabled=False):
