@@ -47,7 +47,6 @@ class ReaderModel(mlflow.pyfunc.PythonModel):
         self.collator = QACollator(self.tokenizer, query_len=int(cfg["query_len"]), passage_len=int(cfg["passage_len"]),
                                    top_k=1, max_answer_tokens=int(cfg["max_answer_tokens"]))
         self.window = int(cfg["passage_len"]) - 2  # z tokens of one `[CLS] x [SEP] z [SEP]`
-        torch.set_grad_enabled(False)
 
     # -- input ---------------------------------------------------------------------------------
     @staticmethod
