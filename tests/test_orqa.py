@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig
 
 from components.data.qa_batch import QACollator, find_answer_spans, word_boundaries
 from components.data.special_tokens import MISSING_ROW
@@ -18,6 +17,7 @@ from components.data.tokenize import train_wordpiece
 from components.models.biencoder import BiEncoder
 from components.models.reader import OpenQA, SpanMLP, SpanReader
 from components.retrieval.search import dense_search, tower_search_fn
+from tests.test_reader import tiny_reader_config, tokenized_blocks
 
 BLOCKS = [
     "Thutax kept a ferret as a pet and played the bassoon.",  # 0
@@ -47,11 +47,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def blocks(tok) -> list[dict]:
-    out = []
-    for text in BLOCKS:
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        out.append({"text": text, "input_ids": enc["input_ids"], "offsets": [list(o) for o in enc["offset_mapping"]]})
-    return out
+    return tokenized_blocks(tok, BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +61,7 @@ def rows() -> list[dict]:
 
 def make_model(vocab: int, scorer: str = "linear", softmax: str = "per_block", seed: int = 0) -> OpenQA:
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=vocab, hidden_size=D, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                     max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
-    cfg.initializer_range = 0.3  # spread scores, so that a wrong mixing formula cannot pass (test_reader.py)
+    cfg = tiny_reader_config(vocab, hidden=D)
     reader = SpanReader.from_config(cfg, span_scorer=scorer, span_hidden=S)
     if reader.span_mlp is not None:
         for p in reader.span_mlp.parameters():

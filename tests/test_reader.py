@@ -40,6 +40,25 @@ QLEN, PLEN, K, A, D = 16, 40, 3, 4, 32
 # ----------------------------------------------------------------------------------------------
 # fixtures
 # ----------------------------------------------------------------------------------------------
+def tokenized_blocks(tok, texts) -> list[dict]:
+    """Retrieval blocks as the tokenize stage writes them: text, input_ids (no specials), offsets."""
+    out = []
+    for text in texts:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        out.append({"text": text, "input_ids": enc["input_ids"], "offsets": [list(o) for o in enc["offset_mapping"]]})
+    return out
+
+
+def tiny_reader_config(vocab: int, hidden: int = D) -> BertConfig:
+    """A 1-layer BERT for reader tests. BERT's 0.02 init makes every span and block
+    nearly equally likely, and then any mixing formula looks right; a wider init makes the
+    comparisons able to fail."""
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    cfg.initializer_range = 0.3
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
     """The tokenize stage's WordPiece trainer on this file's texts (no network)."""
@@ -48,12 +67,7 @@ def tok() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def blocks(tok) -> list[dict]:
-    """Retrieval blocks as the tokenize stage writes them: text, input_ids (no specials), offsets."""
-    out = []
-    for text in BLOCKS:
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        out.append({"text": text, "input_ids": enc["input_ids"], "offsets": [list(o) for o in enc["offset_mapping"]]})
-    return out
+    return tokenized_blocks(tok, BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +82,7 @@ def collate(tok, blocks, block_vecs) -> QACollator:
 
 def make_model(vocab: int, seed: int = 0) -> OpenQA:
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=vocab, hidden_size=D, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                     max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
-    # BERT's 0.02 init makes every span and block nearly equally likely, and then any mixing
-    # formula looks right; a wider init makes the comparisons below able to fail.
-    cfg.initializer_range = 0.3
+    cfg = tiny_reader_config(vocab)
     return OpenQA(BiEncoder.from_config(cfg), SpanReader.from_config(cfg), max_answer_tokens=A).eval()
 
 
