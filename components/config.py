@@ -169,6 +169,10 @@ class TrainParams(_Section):
     max_bad_steps: int = Field(ge=0, description="stop after this many consecutive NaN/inf losses")
     num_workers: int = Field(ge=0)
 
+    def warmup_steps(self) -> int:
+        """Linear warm-up steps before the LR peaks: int(warmup_ratio * max_steps)."""
+        return int(self.warmup_ratio * self.max_steps)
+
 
 # ----------------------------------------------------------------------------------------------
 # stage sections
@@ -275,6 +279,11 @@ class RealmTrainParams(TrainParams):
     warmup_rule: Literal["ratio", "realm"] = Field(
         description="ratio: int(warmup_ratio * max_steps) warm-up steps; realm: min(10000, max(100, int(max_steps / 10))), "
         "the reference's rule (google-research/language realm/model.py and orqa/models/ict_model.py), warmup_ratio unused")
+
+    def warmup_steps(self) -> int:
+        if self.warmup_rule == "realm":  # the REALM/ORQA reference's rule
+            return min(10000, max(100, int(self.max_steps / 10)))
+        return super().warmup_steps()
 
 
 # The OntoNotes types spaCy's English models emit that are named entities or dates (REALM masks

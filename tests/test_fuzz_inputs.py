@@ -351,7 +351,8 @@ def test_answer_absent_from_every_document_gives_zero_loss_not_nan():
     from transformers import BertConfig
 
     from components.data.qa_batch import find_answer_spans
-    from components.models.reader import OpenQA, SpanReader, marginal_nll
+    from components.models.reader import OpenQA, SpanReader
+    from components.models.span_scores import marginal_nll
 
     text = "The Ardel River flows past Kessaville."
     offs = [[0, 3], [4, 9], [10, 15], [16, 21], [22, 26], [27, 37], [37, 38]]

@@ -15,7 +15,8 @@ from components.data.special_tokens import MISSING_ROW
 from components.data.text import normalize_answer
 from components.data.tokenize import train_wordpiece
 from components.models.biencoder import BiEncoder
-from components.models.reader import OpenQA, SpanMLP, SpanReader
+from components.models.reader import OpenQA, SpanReader
+from components.models.span_scores import SpanMLP
 from components.retrieval.search import dense_search, tower_search_fn
 from tests.test_reader import tiny_reader_config, tokenized_blocks
 

@@ -17,7 +17,7 @@ from components.data.special_tokens import SpecialTokens
 from components.models.ict import ICTModel
 from components.models.realm import tiny_bert_config
 from components.models.retriever import Retriever
-from components.training.trainer import lr_at, warmup_steps
+from components.training.trainer import lr_at
 from tests.conftest import ROOT
 
 SP = SpecialTokens(pad=0, cls=2, sep=3, mask=4)
@@ -47,7 +47,7 @@ def test_paper_preset_runs_realms_recipe():
     p = load_params(ROOT / "params.yaml", presets=PRESETS["paper"])
     r = p.realm
     assert (r.ict_steps, r.ict_batch_size, r.ict_lr, r.ict_mask_rate, r.ict_query_len) == (100000, 4096, 1e-4, 0.9, 64)
-    assert r.retriever_init == "retromae" and r.train.warmup_rule == "realm" and warmup_steps(r.train) == 10000
+    assert r.retriever_init == "retromae" and r.train.warmup_rule == "realm" and r.train.warmup_steps() == 10000
     assert (r.query_unit, r.doc_input, r.span_tagger) == ("sentence", "title_body", "spacy")
     assert tuple(r.span_types) == REALM_SPAN_TYPES and "CARDINAL" not in r.span_types and "MONEY" not in r.span_types
     assert (r.query_len, r.block_len, r.top_k, r.max_masks) == (96, 288, 8, 10)
@@ -58,7 +58,7 @@ def test_paper_preset_runs_realms_recipe():
 def test_tiny_and_small_keep_todays_choices(name):
     r = load_params(ROOT / "params.yaml", presets=PRESETS[name]).realm
     assert (r.query_unit, r.doc_input, r.train.warmup_rule, r.ict_query_len) == ("window", "body", "ratio", None)
-    assert warmup_steps(r.train) == int(r.train.warmup_ratio * r.train.max_steps)
+    assert r.train.warmup_steps() == int(r.train.warmup_ratio * r.train.max_steps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,10 +67,10 @@ def test_tiny_and_small_keep_todays_choices(name):
 @pytest.mark.parametrize("steps, want", [(200000, 10000), (100000, 10000), (5000, 500), (500, 100), (50, 100)])
 def test_realm_warmup_rule_is_the_references(steps, want):
     train = RealmParams().train.model_copy(update={"max_steps": steps, "warmup_rule": "realm", "lr": 1e-3})
-    assert warmup_steps(train) == want == min(10000, max(100, int(steps / 10)))
+    assert train.warmup_steps() == want == min(10000, max(100, int(steps / 10)))
     assert lr_at(want - 1, train) == pytest.approx(1e-3)  # warm-up ends at the peak
     ratio = train.model_copy(update={"warmup_rule": "ratio", "warmup_ratio": 0.05})
-    assert warmup_steps(ratio) == int(0.05 * steps)
+    assert ratio.warmup_steps() == int(0.05 * steps)
 
 
 # ----------------------------------------------------------------------------------------------

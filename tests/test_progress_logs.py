@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from components.training.trainer import Trainer, format_duration, progress_line
+from components.progress import format_duration, progress_line
+from components.training.trainer import Trainer
 from tests.conftest import tiny_params
 from tests.scripts.tiny_train import TinyLM, fixed_mask_collate, make_rows
 

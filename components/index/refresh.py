@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from components.index.faiss_index import BlockIndex
 from components.models.encoder import unwrap
+from components.progress import format_duration
 
 BuildFn = Callable[[Any, int], "tuple[BlockIndex, dict]"]
 log = logging.getLogger(__name__)
@@ -137,15 +138,13 @@ def embed_blocks(
     if not chunks:
         raise ValueError("no blocks to embed")
     emb = np.ascontiguousarray(np.concatenate(chunks, axis=0))  # (N, d)
-    stats = {
-        "n_blocks": int(emb.shape[0]),
-        "n_tokens": int(n_tokens),
-        "dim": int(emb.shape[1]),
-        "seconds": seconds,
-        "blocks_per_s": emb.shape[0] / max(seconds, 1e-9),
-        "tokens_per_s": n_tokens / max(seconds, 1e-9),
-    }
-    return emb, stats
+    return emb, embed_stats(emb.shape[0], n_tokens, emb.shape[1], seconds)
+
+
+def embed_stats(n_blocks: int, n_tokens: int, dim: int, seconds: float) -> dict:
+    """What `embed_blocks` (and the sharded embed) report: sizes, seconds and throughput."""
+    return {"n_blocks": int(n_blocks), "n_tokens": int(n_tokens), "dim": int(dim), "seconds": seconds,
+            "blocks_per_s": n_blocks / max(seconds, 1e-9), "tokens_per_s": n_tokens / max(seconds, 1e-9)}
 
 
 def _progress_line(desc: str, done: int, total: int | None, elapsed: float) -> str:
@@ -153,13 +152,8 @@ def _progress_line(desc: str, done: int, total: int | None, elapsed: float) -> s
     rate = done / max(elapsed, 1e-9)
     if total:
         left = max(0.0, (total - done) / max(rate, 1e-9))
-        return f"{desc} {done}/{total} ({100 * done // total}%) blocks/s {rate:.0f} eta {_duration(left)}"
+        return f"{desc} {done}/{total} ({100 * done // total}%) blocks/s {rate:.0f} eta {format_duration(left)}"
     return f"{desc} {done} blocks/s {rate:.0f}"
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def embed_and_build(

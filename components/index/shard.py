@@ -149,8 +149,7 @@ def embed_sharded(
         raise RuntimeError(f"refresh: the embed failed on {ws - n_ok} other rank(s); keeping the old index")
     emb = gather_rows(local if local is not None else np.zeros((0, d), np.float32), counts, group)  # (N, d)
     seconds = time.perf_counter() - t0
-    return emb, {"n_blocks": n, "n_tokens": n_tokens, "dim": d, "seconds": seconds,
-                 "blocks_per_s": n / max(seconds, 1e-9), "tokens_per_s": n_tokens / max(seconds, 1e-9),
+    return emb, {**refresh_lib.embed_stats(n, n_tokens, d, seconds),
                  "shard_blocks": stop - start, "shard_seconds": shard_seconds, "world_size": ws}
 
 

@@ -68,84 +68,20 @@ import torch
 from torch import nn
 
 from components.io import atomic_dir, write_json_atomic
+from components.models.span_scores import NEG as _NEG
+from components.models.span_scores import SpanMLP, marginal_nll, masked_log_softmax, span_pairs, span_valid
 
 if TYPE_CHECKING:
     from components.data.qa_batch import QACollator
 
-_NEG = -1e30  # finite "minus infinity": all-masked rows stay finite, their gradients 0 (not NaN)
 OPENQA_CONFIG = "openqa_config.json"
 SPAN_MLP_FILE = "span_mlp.safetensors"
 SPAN_SOFTMAX = ("per_block", "joint")
 
 
 # ----------------------------------------------------------------------------------------------
-# span scores
-# ----------------------------------------------------------------------------------------------
-def span_pairs(x: torch.Tensor, max_answer_tokens: int, fill: float | bool) -> torch.Tensor:
-    """x (N, L, ...) -> (N, L, A, ...): [n, i, w] = x[n, i + w], `fill` past the end."""
-    A = max_answer_tokens
-    pad = [0, 0] * (x.dim() - 2) + [0, A - 1]
-    out = torch.nn.functional.pad(x, pad, value=fill).unfold(1, A, 1)  # (N, L, ..., A)
-    return out.movedim(-1, 2)
-
-
-def span_logits(start: torch.Tensor, end: torch.Tensor, start_mask: torch.Tensor, max_answer_tokens: int,
-                end_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Span scores (N, L, A): [n, i, w] = start[n, i] + end[n, i + w] for the span i..i+w, and
-    which of them are valid: i may start a span, i + w may end one (both masks are inside z, which
-    is contiguous, so the whole span is). start/end (N, L) float; start_mask/end_mask (N, L) bool
-    (`context_mask` for both = any z token; the collator's word-boundary masks = whole words)."""
-    end_mask = start_mask if end_mask is None else end_mask
-    end_w = span_pairs(end.float(), max_answer_tokens, _NEG)  # (N, L, A) end[i + w]
-    return start.float()[:, :, None] + end_w, span_valid(start_mask, end_mask, max_answer_tokens)
-
-
-def span_valid(start_mask: torch.Tensor, end_mask: torch.Tensor, max_answer_tokens: int) -> torch.Tensor:
-    """(N, L, A) bool: i may start a span and i + w may end one (N, L) -> (N, L, A)."""
-    return start_mask[:, :, None] & span_pairs(end_mask, max_answer_tokens, False)
-
-
-def masked_log_softmax(scores: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """log_softmax over the valid entries of `dims`; invalid entries (and every entry of a group
-    with none valid, e.g. the null document) come out as _NEG, never NaN, with zero gradient."""
-    scores = scores.masked_fill(~valid, _NEG)
-    return (scores - torch.logsumexp(scores, dim=dims, keepdim=True)).masked_fill(~valid, _NEG)
-
-
-def marginal_nll(log_p: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
-    """-log sum_{correct} p per row: log_p, correct (B, ...) -> (B,); 0 where a row has no correct entry."""
-    B = log_p.size(0)
-    lp, ok = log_p.reshape(B, -1), correct.reshape(B, -1)
-    nll = -torch.logsumexp(lp.masked_fill(~ok, _NEG), dim=1)  # (B,) finite even with no correct entry
-    return torch.where(ok.any(1), nll, torch.zeros_like(nll))
-
-
-# ----------------------------------------------------------------------------------------------
 # the reader
 # ----------------------------------------------------------------------------------------------
-class SpanMLP(nn.Module):
-    """ORQA's span scorer (orqa_model.py `read`): f(i, j) = w . LN(ReLU(W_s h_i + W_e h_j + b)), i.e.
-    W [h_i; h_j] split into its start and end halves, so that start and end interact; truncated
-    normal (0.02) kernels as there."""
-
-    def __init__(self, hidden_size: int, span_hidden: int):
-        super().__init__()
-        self.proj = nn.Linear(hidden_size, 2 * span_hidden)
-        self.norm = nn.LayerNorm(span_hidden)
-        self.out = nn.Linear(span_hidden, 1)
-        for lin in (self.proj, self.out):
-            nn.init.trunc_normal_(lin.weight, std=0.02, a=-0.04, b=0.04)
-            nn.init.zeros_(lin.bias)
-
-    def forward(self, hidden: torch.Tensor, max_answer_tokens: int) -> torch.Tensor:
-        """hidden (N, L, H) -> span scores (N, L, A): [n, i, w] = f(i, i + w) (garbage past the end:
-        the caller masks it)."""
-        start, end = self.proj(hidden).chunk(2, dim=-1)  # (N, L, S) each
-        end_w = span_pairs(end, max_answer_tokens, 0.0)  # (N, L, A, S) end[i + w]
-        h = self.norm(torch.relu(start[:, :, None, :] + end_w))  # (N, L, A, S)
-        return self.out(h).squeeze(-1).float()  # (N, L, A)
-
-
 class SpanReader(nn.Module):
     """BERT over `[CLS] x [SEP] z [SEP]` -> span scores. An HF *ForQuestionAnswering, so the saved
     folder is a standard HF QA model; its start/end head `qa_outputs` is the `linear` scorer, and
@@ -215,7 +151,7 @@ class SpanReader(nn.Module):
 
     def span_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor,
                     max_answer_tokens: int) -> torch.Tensor:
-        """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; see `span_logits`)."""
+        """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; `span_valid` says which are spans)."""
         if self.span_mlp is None:
             start, end = self(input_ids, attention_mask, token_type_ids)  # (N, L) each
             return start.float()[:, :, None] + span_pairs(end.float(), max_answer_tokens, _NEG)  # (N, L, A)

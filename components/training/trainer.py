@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 from components.config import ComputeParams, TrainParams
+from components.progress import format_duration, progress_line
 from components.training import checkpoint as ckpt
 from components.training import distributed as D
 
@@ -129,13 +130,6 @@ def mix_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def warmup_steps(train: TrainParams) -> int:
-    # `realm.train.warmup_rule: realm` is the REALM/ORQA reference's rule (realm/model.py, orqa/models/ict_model.py)
-    if getattr(train, "warmup_rule", "ratio") == "realm":
-        return min(10000, max(100, int(train.max_steps / 10)))
-    return int(train.warmup_ratio * train.max_steps)
-
-
 SCHEDULES = ("linear", "constant")
 
 
@@ -146,7 +140,7 @@ def lr_at(step: int, train: TrainParams, schedule: str = "linear") -> float:
     Warmup reaches train.lr at step == warmup; the last step (max_steps - 1) still gets a non-zero
     LR, so no step is wasted at lr 0.
     """
-    w = warmup_steps(train)
+    w = train.warmup_steps()
     if step < w:
         return train.lr * (step + 1) / w
     if schedule == "constant":
@@ -164,27 +158,6 @@ def micro_batch_size(train: TrainParams, world_size: int, prefix: str = "train")
             f"pick {prefix}.batch_size as a multiple of {div}"
         )
     return train.batch_size // div
-
-
-def format_duration(seconds: float) -> str:
-    """4s, 3m05s, 2h07m: an ETA that reads at a glance."""
-    s = int(round(max(0.0, seconds)))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-def progress_line(prefix: str, step: int, max_steps: int, metrics: Mapping[str, float], eta_s: float) -> str:
-    """`realm.train step 50/200 (25%) loss 3.2104 tokens/s 1234 eta 1m20s`: what the progress log says."""
-    loss = metrics.get("loss")
-    parts = [f"{prefix} step {step}/{max_steps} ({100 * step // max(1, max_steps)}%)",
-             f"loss {loss:.4f}" if loss is not None else "loss n/a"]
-    if "tokens_per_s" in metrics:
-        parts.append(f"tokens/s {metrics['tokens_per_s']:.0f}")
-    parts.append(f"eta {format_duration(eta_s)}")
-    return " ".join(parts)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -610,7 +583,7 @@ class Trainer:
             # The schedule is a pure function of the step; recorded so a resume can check it.
             "scheduler": {"kind": "linear_warmup_linear_decay" if self.schedule == "linear" else "linear_warmup_constant",
                           "last_step": self.step, "lr_scales": {g.name: g.lr / self.train.lr for g in self.lr_groups},
-                          "warmup_steps": warmup_steps(self.train), "max_steps": self.train.max_steps},
+                          "warmup_steps": self.train.warmup_steps(), "max_steps": self.train.max_steps},
             "scaler": self.scaler.state_dict(),
             "bad_steps": self.bad_steps,
             "consecutive_bad": self.consecutive_bad,
@@ -677,14 +650,11 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "autocast_for",
-    "format_duration",
     "lr_at",
     "micro_batch_size",
     "mix_seed",
     "param_groups",
-    "progress_line",
     "resolve_precision",
     "seed_everything",
     "to_device",
-    "warmup_steps",
 ]
