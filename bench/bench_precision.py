@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.models.encoder import cls_pool, load_encoder, resolve_pretrained  # noqa: E402
+from components.training.trainer import cpu_has_native_bf16  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:
@@ -96,7 +97,7 @@ def main() -> None:
         "speedup_train_bf16_vs_fp32": round(med["train_fp32"] / med["train_bf16"], 3),
         "speedup_infer_bf16_vs_fp32": round(med["infer_fp32"] / med["infer_bf16"], 3),
         "cls_cosine_bf16_vs_fp32": {"min": round(float(cos.min()), 5), "mean": round(float(cos.mean()), 5)},
-        "cpu_bf16_native": bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: None)()),
+        "cpu_bf16_native": cpu_has_native_bf16(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1) + "\n")

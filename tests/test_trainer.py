@@ -346,3 +346,21 @@ def test_autocast_for_follows_compute_precision_outside_the_trainer():
     for precision in ("fp32", "auto"):
         with autocast_for(precision, torch.device("cpu")):
             assert (x @ w).dtype == torch.float32
+
+
+def test_bf16_if_native_follows_the_cpu(monkeypatch, caplog):
+    """`bf16_if_native` autocasts on a CPU with native BF16 and stays fp32 on one that would emulate
+    it; explicit `bf16` on an emulating CPU still runs bf16 but warns, naming the param."""
+    from components.training import trainer as T
+
+    cpu = torch.device("cpu")
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(T, "cpu_has_native_bf16", lambda native=native: native)
+        assert T.resolve_precision("bf16_if_native", cpu) == ("bf16" if native else "fp32")
+        with T.autocast_for("bf16_if_native", cpu):
+            assert (x @ w).dtype == want
+    monkeypatch.setattr(T, "_warned_emulated_bf16", [])
+    with caplog.at_level("WARNING", logger=T.__name__):
+        assert T.resolve_precision("bf16", cpu) == "bf16"
+    assert "compute.precision=bf16_if_native" in caplog.text

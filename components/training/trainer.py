@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import logging
@@ -160,13 +161,41 @@ def micro_batch_size(train: TrainParams, world_size: int, prefix: str = "train")
     return train.batch_size // div
 
 
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (x86 AVX512-BF16 or AMX-BF16, read from
+    /proc/cpuinfo). Without them oneDNN emulates bf16, and autocast is 2-3x slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """`compute.precision` -> fp32 | bf16 | fp16. auto: bf16 on a CUDA device that supports it, else fp32."""
+    """`compute.precision` -> fp32 | bf16 | fp16.
+    auto: bf16 on a CUDA device that supports it, else fp32.
+    bf16_if_native: bf16 wherever the hardware runs it natively (that CUDA device, or a CPU with
+    AVX512-BF16 / AMX), else fp32."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     if precision == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "bf16" if cuda_bf16 else "fp32"
+    if precision == "bf16_if_native":
+        return "bf16" if cuda_bf16 or (device.type == "cpu" and cpu_has_native_bf16()) else "fp32"
+    if precision == "bf16" and device.type == "cuda" and not cuda_bf16:
         raise RuntimeError("compute.precision=bf16 but this GPU has no bf16 support; use fp16 or fp32")
+    if precision == "bf16" and device.type == "cpu" and not _warned_emulated_bf16 and not cpu_has_native_bf16():
+        _warned_emulated_bf16.append(True)
+        log.warning("compute.precision=bf16 on a CPU without AVX512-BF16/AMX: oneDNN emulates bf16, 2-3x slower "
+                    "than fp32 here (bench/bench_precision.py); set compute.precision=bf16_if_native or fp32")
     return precision
+
+
+_warned_emulated_bf16: list[bool] = []  # warn once per process
 
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a resolved precision -> its autocast dtype (fp32: none)
@@ -654,6 +683,7 @@ __all__ = [
     "micro_batch_size",
     "mix_seed",
     "param_groups",
+    "cpu_has_native_bf16",
     "resolve_precision",
     "seed_everything",
     "to_device",
