@@ -372,6 +372,8 @@ class Trainer:
 
         self.rank, self.world_size, self.local_rank, self.device = D.init_distributed(compute)
         self.precision = resolve_precision(compute.precision, self.device)
+        if self.rank == 0 and compute.precision != self.precision:
+            log.info("%s: compute.precision=%s runs as %s on %s", param_prefix, compute.precision, self.precision, self.device)
         self.micro_batch = micro_batch_size(train, self.world_size, param_prefix)
         self.dataset, self.collate_fn = dataset, collate_fn
         self.sampler = StepSampler(
