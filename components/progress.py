@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
+PROGRESS_EVERY_S = 60.0  # a long loop logs at least once a minute, whatever its step cadence says, also without a TTY
+
 
 def format_duration(seconds: float) -> str:
     """4s, 3m05s, 2h07m: an ETA that reads at a glance."""

@@ -38,16 +38,27 @@ def test_format_duration_and_line():
 def test_every_n_steps_plus_first_and_last_without_a_tty(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="components.training.trainer")
     _trainer(tmp_path, max_steps=7, progress_every=3).fit()
-    lines = [r.getMessage() for r in caplog.records if r.name == "components.training.trainer"]
+    lines = [r.getMessage() for r in caplog.records if hasattr(r, "rr_progress")]
     assert [int(LINE.match(m).group(1)) for m in lines] == [1, 3, 6, 7], lines
     info = [r.rr_progress for r in caplog.records if hasattr(r, "rr_progress")]
     assert info[-1]["step"] == info[-1]["max_steps"] == 7 and info[-1]["eta_s"] == 0
 
 
+def test_slow_steps_log_by_time_whatever_the_step_cadence(tmp_path, caplog, monkeypatch):
+    """A loop whose steps are slower than PROGRESS_EVERY_S logs every step, though `progress_every`
+    would wait for step 1000: no training loop stays silent for more than that long."""
+    from components.training import trainer as T
+
+    monkeypatch.setattr(T, "PROGRESS_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="components.training.trainer")
+    _trainer(tmp_path, max_steps=5, progress_every=1000).fit()
+    assert [r.rr_progress["step"] for r in caplog.records if hasattr(r, "rr_progress")] == [1, 2, 3, 4, 5]
+
+
 def test_progress_every_zero_is_silent_and_none_is_about_ten_lines(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="components.training.trainer")
     _trainer(tmp_path / "a", max_steps=4, progress_every=0).fit()
-    assert not [r for r in caplog.records if r.name == "components.training.trainer"]
+    assert not [r for r in caplog.records if hasattr(r, "rr_progress")]
     _trainer(tmp_path / "b", max_steps=20, progress_every=None).fit()
     steps = [r.rr_progress["step"] for r in caplog.records if hasattr(r, "rr_progress")]
     assert steps == [1, *range(2, 21, 2)]

@@ -33,10 +33,9 @@ from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.index.faiss_index import BlockIndex
 from components.models.realm import REALM
 from components.models.retriever import Retriever, encode_queries
-from components.progress import format_duration, progress_line
+from components.progress import PROGRESS_EVERY_S, format_duration, progress_line
 
 RANK_DEPTH = 1000  # mean gold rank is exact up to this depth; a gold doc not found counts as depth + 1
-PROGRESS_EVERY_S = 60.0  # a long probe logs at least once a minute, whatever `progress_every` says
 log = logging.getLogger(__name__)
 
 

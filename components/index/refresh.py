@@ -47,11 +47,10 @@ from tqdm.auto import tqdm
 
 from components.index.faiss_index import BlockIndex
 from components.models.encoder import unwrap
-from components.progress import format_duration
+from components.progress import PROGRESS_EVERY_S, format_duration
 
 BuildFn = Callable[[Any, int], "tuple[BlockIndex, dict]"]
 log = logging.getLogger(__name__)
-PROGRESS_EVERY_S = 60.0  # a long embedding pass logs at least once a minute, also without a TTY (tqdm may be off)
 
 
 # ----------------------------------------------------------------------------------------------

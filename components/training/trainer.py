@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 from components.config import ComputeParams, TrainParams
-from components.progress import format_duration, progress_line
+from components.progress import PROGRESS_EVERY_S, progress_line
 from components.training import checkpoint as ckpt
 from components.training import distributed as D
 
@@ -366,6 +366,7 @@ class Trainer:
         self.progress = progress
         # tracking.progress_every; None: about ten lines a run. 0: no progress lines.
         self.progress_every = max(1, train.max_steps // 10) if progress_every is None else progress_every
+        self._last_progress_t = time.perf_counter()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; known: {SCHEDULES}")
         self.schedule, self.lr_groups = schedule, tuple(lr_groups)
@@ -450,10 +451,12 @@ class Trainer:
         return self._result(t_start)
 
     def _progress_due(self, first_step: int) -> bool:
-        # the first step too: a slow loop says at once that it started, and how fast it goes
+        # the first step too: a slow loop says at once that it started, and how fast it goes; and at
+        # least every PROGRESS_EVERY_S, so a loop of slow steps is never silent for long
         every = self.progress_every
         return bool(every) and self.is_rank0 and (
-            self.step % every == 0 or self.step == self.train.max_steps or self.step == first_step + 1)
+            self.step % every == 0 or self.step == self.train.max_steps or self.step == first_step + 1
+            or time.perf_counter() - self._last_progress_t >= PROGRESS_EVERY_S)
 
     def _log_progress(self, first_step: int, t_loop: float) -> None:
         """One INFO line through `logging` (a non-TTY terminal, the Prefect flow-run log, torchrun's
@@ -465,6 +468,7 @@ class Trainer:
                 "loss": self.last_metrics.get("loss"), "tokens_per_s": self.last_metrics.get("tokens_per_s")}
         log.info("%s", progress_line(self.prefix, self.step, self.train.max_steps, self.last_metrics, eta),
                  extra={"rr_progress": info})
+        self._last_progress_t = time.perf_counter()
 
     def _result(self, t_start: float) -> TrainResult:
         if self.last_checkpoint is None and self.step > 0:
