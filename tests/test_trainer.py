@@ -360,7 +360,7 @@ def test_bf16_if_native_follows_the_cpu(monkeypatch, caplog):
         assert T.resolve_precision("bf16_if_native", cpu) == ("bf16" if native else "fp32")
         with T.autocast_for("bf16_if_native", cpu):
             assert (x @ w).dtype == want
-    monkeypatch.setattr(T, "_warned_emulated_bf16", [])
+    T._warn_emulated_bf16.cache_clear()
     with caplog.at_level("WARNING", logger=T.__name__):
         assert T.resolve_precision("bf16", cpu) == "bf16"
     assert "compute.precision=bf16_if_native" in caplog.text

@@ -68,8 +68,7 @@ import torch
 from torch import nn
 
 from components.io import atomic_dir, write_json_atomic
-from components.models.span_scores import NEG as _NEG
-from components.models.span_scores import SpanMLP, marginal_nll, masked_log_softmax, span_pairs, span_valid
+from components.models.span_scores import NEG, SpanMLP, marginal_nll, masked_log_softmax, span_pairs, span_valid
 
 if TYPE_CHECKING:
     from components.data.qa_batch import QACollator
@@ -154,7 +153,7 @@ class SpanReader(nn.Module):
         """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; `span_valid` says which are spans)."""
         if self.span_mlp is None:
             start, end = self(input_ids, attention_mask, token_type_ids)  # (N, L) each
-            return start.float()[:, :, None] + span_pairs(end.float(), max_answer_tokens, _NEG)  # (N, L, A)
+            return start.float()[:, :, None] + span_pairs(end.float(), max_answer_tokens, NEG)  # (N, L, A)
         hidden = self.qa_model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                           token_type_ids=token_type_ids).last_hidden_state  # (N, L, H)
         return self.span_mlp(hidden, max_answer_tokens)
@@ -292,7 +291,7 @@ class OpenQA(nn.Module):
         for b in range(B):
             k, rem = divmod(int(best[b]), L * A)
             i, w = divmod(rem, A)
-            if score[b] < _NEG / 2 or k >= len(block_texts[b]) or block_texts[b][k] is None:
+            if score[b] < NEG / 2 or k >= len(block_texts[b]) or block_texts[b][k] is None:
                 out.append({"answer": "", "block": -1, "start": -1, "end": -1, "score": float("-inf")})
                 continue
             s, e = int(offsets[b, k, i, 0]), int(offsets[b, k, i + w, 1])

@@ -188,14 +188,15 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         return "bf16" if cuda_bf16 or (device.type == "cpu" and cpu_has_native_bf16()) else "fp32"
     if precision == "bf16" and device.type == "cuda" and not cuda_bf16:
         raise RuntimeError("compute.precision=bf16 but this GPU has no bf16 support; use fp16 or fp32")
-    if precision == "bf16" and device.type == "cpu" and not _warned_emulated_bf16 and not cpu_has_native_bf16():
-        _warned_emulated_bf16.append(True)
-        log.warning("compute.precision=bf16 on a CPU without AVX512-BF16/AMX: oneDNN emulates bf16, 2-3x slower "
-                    "than fp32 here (bench/bench_precision.py); set compute.precision=bf16_if_native or fp32")
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        _warn_emulated_bf16()
     return precision
 
 
-_warned_emulated_bf16: list[bool] = []  # warn once per process
+@functools.cache  # once per process: resolve_precision runs at every autocast_for
+def _warn_emulated_bf16() -> None:
+    log.warning("compute.precision=bf16 on a CPU without AVX512-BF16/AMX: oneDNN emulates bf16, 2-3x slower "
+                "than fp32 here (bench/bench_precision.py); set compute.precision=bf16_if_native or fp32")
 
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a resolved precision -> its autocast dtype (fp32: none)
