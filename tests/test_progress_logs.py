@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from components.progress import format_duration, progress_line
+from components import progress
+from components.progress import ProgressClock, count_line, format_duration, progress_line
 from components.training.trainer import Trainer
 from tests.conftest import tiny_params
 from tests.scripts.tiny_train import TinyLM, fixed_mask_collate, make_rows
@@ -33,6 +34,27 @@ def test_format_duration_and_line():
     assert progress_line("realm.train", 50, 200, {"loss": 3.21044, "tokens_per_s": 1234.4}, 80) == \
         "realm.train step 50/200 (25%) loss 3.2104 tokens/s 1234 eta 1m20s"
     assert progress_line("x", 1, 3, {}, 2) == "x step 1/3 (33%) loss n/a eta 2s"
+
+
+def test_count_line():
+    assert count_line("embed blocks", 12800, 650000, 15.24) == "embed blocks 12800/650000 (1%) blocks/s 840 eta 12m39s"
+    assert count_line("open-qa", 5, None, 2.0, unit="questions") == "open-qa 5 questions/s 2"
+
+
+def test_progress_clock_by_count_by_time_and_at_the_end(monkeypatch):
+    """One line each time the count passes another `every` (a jump of several counts once), one
+    at the loop's end once it has spoken, and one per call when the time limit is 0 s."""
+    clock = ProgressClock(every=3, every_s=1e9)
+    assert [d for d in (1, 2, 3, 4, 8, 9, 10) if clock.due(d, final=d == 10)] == [3, 8, 9, 10]
+    quiet = ProgressClock(every=0, every_s=1e9)
+    assert not [d for d in range(1, 6) if quiet.due(d, final=d == 5)]  # nothing said, nothing to close
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)  # read when a clock starts: what tests patch
+    slow = ProgressClock(every=100)
+    assert all(slow.due(d) for d in range(1, 4)) and slow.lines == 3
+    slow.t0 -= 10.0  # 10 s for the first unit: 20 s for the two left
+    assert slow.eta(1, 3) == pytest.approx(20.0, abs=0.5)
+    with pytest.raises(ValueError, match="every must be >= 0"):
+        ProgressClock(every=-1)
 
 
 def test_every_n_steps_plus_first_and_last_without_a_tty(tmp_path, caplog):
@@ -91,7 +113,7 @@ def test_realm_probe_logs_progress_lines(caplog, monkeypatch):
     assert [int(re.search(r"step (\d+)/5 ", m).group(1)) for m in lines] == [2, 4, 5], lines
     assert all(re.fullmatch(r"realm\.probe\.mlm step \d/5 \(\d+%\) loss 2\.0000 tokens/s \d+ eta \d+s", m) for m in lines), lines
     caplog.clear()
-    monkeypatch.setattr(realm_probes, "PROGRESS_EVERY_S", 0.0)  # a slow probe: a line each batch, whatever the count
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)  # a slow probe: a line each batch, whatever the count
     realm_probes.evaluate_mlm(Stub(), Collator(), queries, index, batch_size=2)
     assert len([r for r in caplog.records if r.name == "components.eval.realm_probes"]) == 5
 

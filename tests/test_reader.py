@@ -320,10 +320,14 @@ def test_reader_and_query_tower_load_from_an_mlm_encoder_folder(tok, tmp_path):
     torch.testing.assert_close(reader.qa_model.bert.encoder.layer[0].output.dense.weight, mlm.bert.encoder.layer[0].output.dense.weight)
 
 
-def test_open_qa_predictor_reads_the_index_top_k_like_predict(tok, blocks, block_vecs):
-    """eval/open_qa.OpenQAPredictor (what evaluate runs) = `predict` on the blocks the index returns."""
+def test_open_qa_predictor_reads_the_index_top_k_like_predict(tok, blocks, block_vecs, caplog, monkeypatch):
+    """eval/open_qa.OpenQAPredictor (what evaluate runs) = `predict` on the blocks the index returns;
+    a slow reader logs a progress line per batch (here every batch is slower than the clock's limit)."""
+    import logging
+    import re
     from types import SimpleNamespace
 
+    from components import progress
     from components.eval.open_qa import OpenQAPredictor
 
     class RowIndex:  # the frozen index: each question's rows, -1 padded, as BlockIndex.search returns
@@ -334,10 +338,16 @@ def test_open_qa_predictor_reads_the_index_top_k_like_predict(tok, blocks, block
 
     ft = SimpleNamespace(query_len=QLEN, passage_len=PLEN, qa_top_k=K, max_answer_tokens=A)
     model = make_model(len(tok))
-    qa = OpenQAPredictor(model, ft, tok, blocks, block_vecs, RowIndex(), batch_size=2)
+    qa = OpenQAPredictor(model, ft, tok, blocks, block_vecs, RowIndex(), batch_size=2, name="open-qa qa:x")
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="components.eval.open_qa")
     preds = qa.predict_all([(str(i), r["question"]) for i, r in enumerate(ROWS[:3])])
+    lines = [r.getMessage() for r in caplog.records if r.name == "components.eval.open_qa"]
+    assert [re.fullmatch(r"open-qa qa:x (\d)/3 \(\d+%\) questions/s \d+ eta \d+s", m).group(1) for m in lines] == ["2", "3"], lines
     collate = QACollator.from_params(tok, blocks, block_vecs, ft)
     for i, r in enumerate(ROWS[:3]):
         rows = [x for x in r["block_rows"] if x >= 0]
         assert preds[str(i)] == model.predict(r["question"], [blocks[x] for x in rows], block_vecs[rows], collate)
+    caplog.clear()
     assert set(qa.predict_all([("q", ROWS[0]["question"])], closed_book=True).values()) == {""}
+    assert [r.getMessage().split(" 1/1 ")[0] for r in caplog.records if r.name == "components.eval.open_qa"] == ["open-qa qa:x closed-book"]

@@ -18,6 +18,7 @@ It joins the reader (models) with a frozen block index (index) and the block sel
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -28,9 +29,11 @@ from components.data.qa_batch import QACollator
 from components.data.special_tokens import MISSING_ROW, NULL_ROW
 from components.models.reader import OpenQA
 from components.paths import FINETUNE_OPEN_QA, REALM_OUT, TOKENS
+from components.progress import ProgressClock, count_line
 from components.retrieval.search import QA_SYSTEM_INDEX, bm25_over_blocks, bm25_qa_blocks, load_block_index, tower_search_fn
 
 OPEN_QA_OUT = FINETUNE_OPEN_QA
+log = logging.getLogger(__name__)
 
 
 class OpenQAPredictor:
@@ -42,8 +45,10 @@ class OpenQAPredictor:
     over the block texts (`bm25`: a fitted `bm25_over_blocks`, built here when not given).
     """
 
-    def __init__(self, model: OpenQA, ft, tokenizer, blocks, block_vecs, index, batch_size: int = 8, bm25=None):
+    def __init__(self, model: OpenQA, ft, tokenizer, blocks, block_vecs, index, batch_size: int = 8, bm25=None,
+                 name: str = "open-qa"):
         self.model, self.ft, self.tokenizer, self.batch_size = model.eval(), ft, tokenizer, batch_size
+        self.name = name  # what its progress lines start with
         self.blocks, self.vecs, self.index = blocks, block_vecs, index
         if index is None and bm25 is None:
             bm25 = bm25_over_blocks(list(blocks["text"]) if hasattr(blocks, "column_names") else [b["text"] for b in blocks])
@@ -53,12 +58,12 @@ class OpenQAPredictor:
     @classmethod
     def load(cls, ft, tokenizer, model_dir: str | os.PathLike = OPEN_QA_OUT / "realm",
              blocks_dir: str | os.PathLike = TOKENS / "blocks", index_dir: str | os.PathLike | None = REALM_OUT / "index" / "final",
-             batch_size: int = 8, blocks=None, bm25=None) -> "OpenQAPredictor":
+             batch_size: int = 8, blocks=None, bm25=None, name: str = "open-qa") -> "OpenQAPredictor":
         """From the DAG's folders: a finetune open_qa model, the tokenize stage's blocks and a
         pretrain_realm index (checked to be row-aligned with the blocks); `index_dir=None`: BM25."""
         blocks = blocks if blocks is not None else datasets.load_from_disk(str(blocks_dir))
         vecs, index = load_block_index(index_dir, blocks) if index_dir is not None else (None, None)
-        return cls(OpenQA.from_pretrained(model_dir), ft, tokenizer, blocks, vecs, index, batch_size, bm25=bm25)
+        return cls(OpenQA.from_pretrained(model_dir), ft, tokenizer, blocks, vecs, index, batch_size, bm25=bm25, name=name)
 
     @classmethod
     def for_system(cls, system: str, ft, tokenizer, open_qa_dir: str | os.PathLike = OPEN_QA_OUT, blocks=None,
@@ -67,7 +72,7 @@ class OpenQAPredictor:
         which = QA_SYSTEM_INDEX[system]
         index_dir = None if which is None else REALM_OUT / "index" / which
         return cls.load(ft, tokenizer, Path(open_qa_dir) / system, index_dir=index_dir, blocks=blocks, bm25=bm25,
-                        batch_size=batch_size)
+                        batch_size=batch_size, name=f"open-qa qa:{system}")
 
     def select(self, rows: list[dict]) -> list[dict]:
         """Rows + `block_rows`: the top k of this system's retrieval."""
@@ -80,7 +85,10 @@ class OpenQAPredictor:
     @torch.no_grad()
     def predict_all(self, questions: list[tuple[str, str]], closed_book: bool = False) -> dict[str, str]:
         """[(id, question)] -> {id: answer}; `closed_book`: the null document only, the floor
-        that shows what retrieval adds."""
+        that shows what retrieval adds. Logs a progress line at least every PROGRESS_EVERY_S: a
+        reader over its top k of a few hundred questions takes minutes on a CPU."""
+        desc = f"{self.name} closed-book" if closed_book else self.name
+        clock = ProgressClock()
         rows = [{"id": i, "question": q, "answers": []} for i, q in questions]
         rows = [{**r, "block_rows": [NULL_ROW]} for r in rows] if closed_book else self.select(rows)
         preds = {}
@@ -90,4 +98,7 @@ class OpenQAPredictor:
             texts = [[None if r < 0 else self.blocks[int(r)]["text"] for r in b] for b in batch["candidate_rows"].tolist()]
             for r, p in zip(chunk, self.model.predict_batch(batch, texts)):
                 preds[r["id"]] = p["answer"]
+            done = i + len(chunk)
+            if clock.due(done, final=done == len(rows)):
+                log.info("%s", count_line(desc, done, len(rows), clock.elapsed(), unit="questions"))
         return preds

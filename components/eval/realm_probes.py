@@ -33,7 +33,7 @@ from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.index.faiss_index import BlockIndex
 from components.models.realm import REALM
 from components.models.retriever import Retriever, encode_queries
-from components.progress import PROGRESS_EVERY_S, format_duration, progress_line
+from components.progress import ProgressClock, format_duration, progress_line
 
 RANK_DEPTH = 1000  # mean gold rank is exact up to this depth; a gold doc not found counts as depth + 1
 log = logging.getLogger(__name__)
@@ -206,14 +206,15 @@ def evaluate_mlm(model: REALM, collator: RealmCollator, queries: list[RealmQuery
     """Masked-token accuracy / loss of the marginal p(y|x) on fixed queries against `index` (eval mode).
 
     A progress line (`realm.probe.mlm step 3/10 (30%) loss ... eta ...`) every `progress_every`
-    batches (`tracking.progress_every`; 0: by time only), and at least every PROGRESS_EVERY_S seconds."""
+    batches (`tracking.progress_every`; 0: by time only), and at least every PROGRESS_EVERY_S seconds
+    (`components.progress.ProgressClock`)."""
     if not queries:
         return {}
     was = model.training
     model.eval()
     acc = loss = n = seen = 0.0
     steps = -(-len(queries) // batch_size)
-    t0 = last = time.perf_counter()
+    clock = ProgressClock(progress_every)
     try:
         for step, i in enumerate(range(0, len(queries), batch_size), start=1):
             batch = collator.batch(queries[i:i + batch_size], index.search, model.retriever)
@@ -222,11 +223,9 @@ def evaluate_mlm(model: REALM, collator: RealmCollator, queries: list[RealmQuery
             m = float(out["num_masked"])  # acc and loss are means over the masked tokens
             acc, loss, n = acc + float(out["mlm_acc"]) * m, loss + float(out["loss"]) * m, n + m
             seen += float(out["num_tokens"])
-            now = time.perf_counter()
-            if (progress_every and step % progress_every == 0) or now - last >= PROGRESS_EVERY_S or (step == steps and last > t0):
-                eta = (now - t0) / step * (steps - step)
-                log.info("%s", progress_line("realm.probe.mlm", step, steps, {"loss": loss / max(n, 1), "tokens_per_s": seen / max(now - t0, 1e-9)}, eta))
-                last = now
+            if clock.due(step, final=step == steps):
+                rate = seen / max(clock.elapsed(), 1e-9)
+                log.info("%s", progress_line("realm.probe.mlm", step, steps, {"loss": loss / max(n, 1), "tokens_per_s": rate}, clock.eta(step, steps)))
     finally:
         model.train(was)
     return {"mlm_acc": acc / max(n, 1), "loss": loss / max(n, 1), "tokens": n}

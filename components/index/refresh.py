@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from components.index.faiss_index import BlockIndex
 from components.models.encoder import unwrap
-from components.progress import PROGRESS_EVERY_S, format_duration
+from components.progress import ProgressClock, count_line
 
 BuildFn = Callable[[Any, int], "tuple[BlockIndex, dict]"]
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def embed_blocks(
     progress: bool = True,
     desc: str = "embed blocks",
     log_every: int = 0,
-    log_every_s: float = PROGRESS_EVERY_S,
+    log_every_s: float | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Embed every block: `encode_fn(collate(rows))` -> (B, d), stacked to (N, d) float32.
 
@@ -105,15 +105,15 @@ def embed_blocks(
     of rows. Runs under `torch.inference_mode()`. Returns `(embeddings, stats)` with stats
     `n_blocks, n_tokens, dim, seconds, blocks_per_s, tokens_per_s`. A progress line goes to
     `logging` (INFO) after every `log_every` blocks (0: none by count) and whenever `log_every_s`
-    seconds passed since the last one, whatever tqdm (`progress`) shows.
+    seconds (None: `components.progress.PROGRESS_EVERY_S`) passed since the last one, whatever
+    tqdm (`progress`) shows.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     total = len(blocks) if hasattr(blocks, "__len__") else None
     chunks: list[np.ndarray] = []
     n_tokens = n_done = 0
-    t0 = last_line = time.perf_counter()
-    next_count = log_every if log_every > 0 else None
+    clock = ProgressClock(log_every, log_every_s)
     with torch.inference_mode(), tqdm(total=total, desc=desc, unit="block", disable=not progress, mininterval=5) as bar:
         for rows in _iter_batches(blocks, batch_size):
             batch = collate(rows) if collate is not None else rows
@@ -127,13 +127,9 @@ def embed_blocks(
             n_tokens += _count_tokens(rows, batch)
             n_done += len(rows)
             bar.update(len(rows))
-            now = time.perf_counter()
-            if (next_count is not None and n_done >= next_count) or now - last_line >= log_every_s:
-                log.info("%s", _progress_line(desc, n_done, total, now - t0))
-                last_line = now
-                while next_count is not None and next_count <= n_done:
-                    next_count += log_every
-    seconds = time.perf_counter() - t0
+            if clock.due(n_done):
+                log.info("%s", count_line(desc, n_done, total, clock.elapsed()))
+    seconds = clock.elapsed()
     if not chunks:
         raise ValueError("no blocks to embed")
     emb = np.ascontiguousarray(np.concatenate(chunks, axis=0))  # (N, d)
@@ -144,15 +140,6 @@ def embed_stats(n_blocks: int, n_tokens: int, dim: int, seconds: float) -> dict:
     """What `embed_blocks` (and the sharded embed) report: sizes, seconds and throughput."""
     return {"n_blocks": int(n_blocks), "n_tokens": int(n_tokens), "dim": int(dim), "seconds": seconds,
             "blocks_per_s": n_blocks / max(seconds, 1e-9), "tokens_per_s": n_tokens / max(seconds, 1e-9)}
-
-
-def _progress_line(desc: str, done: int, total: int | None, elapsed: float) -> str:
-    """`embed blocks 12800/650000 (1%) blocks/s 840 eta 12m51s`."""
-    rate = done / max(elapsed, 1e-9)
-    if total:
-        left = max(0.0, (total - done) / max(rate, 1e-9))
-        return f"{desc} {done}/{total} ({100 * done // total}%) blocks/s {rate:.0f} eta {format_duration(left)}"
-    return f"{desc} {done} blocks/s {rate:.0f}"
 
 
 def embed_and_build(
