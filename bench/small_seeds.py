@@ -1,8 +1,8 @@
 """The `small` preset's claims over seeds: the whole pipeline once per seed, then every paper
 comparison per seed and pooled over (seed, query) pairs.
 
-    python -m bench.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min each)
-    python -m bench.small_seeds --collect /tmp/small_seeds/seed0 /tmp/small_seeds/seed1   # tables only
+    python -m bench.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min to ~2 h each)
+    python -m bench.small_seeds --collect bench/results/small_seeds/seed0.json.gz /tmp/small_seeds/seed1   # tables only
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
 never touched and every run is the committed code: `python -m flows.pipeline --preset small --set
@@ -10,16 +10,25 @@ compute.seed=<N> --set evaluate.split=<split>` (the preset and the overrides wri
 clone's params.yaml, so its dvc.lock records them).
 The corpus split (`data.split.seed`) stays fixed, so every seed answers the same questions.
 
+Each finished seed is archived as bench/results/small_seeds/seed<N>.json.gz: its rows, its per-query
+scores (what every p-value is computed from), the stage wall times (from each stage's MLflow run),
+the commit and the CPU. `--collect` takes archives or workspaces, so seeds run in different sessions
+or on different machines pool into one table; a seed without per-query scores (an archive written
+by hand from a run whose workspace was lost: `"per_query": null`, its own `comparisons`) gives its
+per-seed tests, and the pooled test is left out.
+
 Writes bench/results/small_seeds.json and prints Markdown for docs/results.md: per-seed rows,
-the stage wall times (from each stage's MLflow run), and each comparison with its delta and
-two-sided p per seed and pooled (the paired randomisation test over every (seed, query) pair).
+stage wall times, and each comparison with its delta and two-sided p per seed and pooled (the
+paired randomisation test over every (seed, query) pair).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +41,7 @@ from components.eval.comparisons import paper_comparisons, per_query_path, read_
 from components.eval.significance import paired_test, per_query_metric  # noqa: E402
 
 RESULTS = ROOT / "bench/results/small_seeds.json"
+ARCHIVE = ROOT / "bench/results/small_seeds"
 STAGES = ("prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune", "evaluate")
 ROW_METRICS = ("ndcg_at_10", "recall_at_20", "em", "f1")
 ROW_ORDER = ("bm25", "warm-start:mean", "init", "retromae", "mlm", "realm", "realm-stale", "ft:init", "ft:mlm", "ft:retromae",
@@ -75,39 +85,102 @@ def stage_seconds(ws: Path) -> dict[str, float]:
     return out
 
 
-def collect(workspaces: list[Path]) -> dict:
-    seeds = []
-    for ws in workspaces:
-        table = json.loads((ws / "metrics/eval.json").read_text())
-        wall = ws / "wall_seconds.txt"
-        seeds.append({"workspace": str(ws), "split": table.get("split"), "rows": table["main"],
-                      "wall_seconds": float(wall.read_text()) if wall.exists() else None, "stage_seconds": stage_seconds(ws)})
-    realm_start = "retromae"
+def cpu_name() -> str:
+    """`AMD EPYC (avx2)`: the model name and the widest vector / bf16 flags, what CPU speed depends on."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = set((re.search(r"^flags\s*:\s*(.+)$", text, re.M) or [None, ""])[1].split())
+    have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in flags][:2]
+    return f"{name.group(1).strip() if name else 'unknown'} ({', '.join(have) or 'no avx'})"
+
+
+def archive(ws: Path, seed: int) -> Path:
+    """A finished workspace -> bench/results/small_seeds/seed<N>.json.gz (written atomically)."""
+    table = json.loads((ws / "metrics/eval.json").read_text())
+    wall = ws / "wall_seconds.txt"
+    per_query = {}
+    for system in table["main"]:
+        path = per_query_path(ws / "metrics/eval", "main", system)
+        if path.exists():
+            per_query[system] = {q: {m: round(v, 6) for m, v in scores.items() if m in ROW_METRICS}
+                                 for q, scores in read_per_query(path).items()}
+    commit = subprocess.run(["git", "-C", str(ws), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rec = {"seed": seed, "commit": commit, "cpu": cpu_name(), "split": table.get("split"), "rows": table["main"],
+           "wall_seconds": float(wall.read_text()) if wall.exists() else None, "stage_seconds": stage_seconds(ws),
+           "per_query": per_query}
+    ARCHIVE.mkdir(parents=True, exist_ok=True)
+    dest = ARCHIVE / f"seed{seed}.json.gz"
+    tmp = dest.with_suffix(".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        json.dump(rec, f)
+    os.replace(tmp, dest)
+    return dest
+
+
+def load_seed(src: Path) -> dict:
+    """An archive (seed<N>.json[.gz]) or a finished workspace, as one record."""
+    if src.is_file():
+        opener = gzip.open if src.suffix == ".gz" else open
+        with opener(src, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    table = json.loads((src / "metrics/eval.json").read_text())
+    wall = src / "wall_seconds.txt"
+    per_query = {system: read_per_query(p) for system in table["main"]
+                 if (p := per_query_path(src / "metrics/eval", "main", system)).exists()}
+    return {"seed": None, "commit": None, "cpu": None, "split": table.get("split"), "rows": table["main"],
+            "wall_seconds": float(wall.read_text()) if wall.exists() else None, "stage_seconds": stage_seconds(src),
+            "per_query": per_query, "workspace": str(src)}
+
+
+def _stored_test(rec: dict, a: str, b: str, metric: str) -> dict | None:
+    """A hand-written archive's own test result for (a, b, metric), when it has no per-query scores."""
+    for c in rec.get("comparisons") or []:
+        if (c["a"], c["b"], c["metric"]) == (a, b, metric):
+            return {"delta": c["delta"], "p": c["p"], "n": c.get("n")}
+    return None
+
+
+def collect(sources: list[Path]) -> dict:
+    seeds = [load_seed(src) for src in sources]
     comparisons = []
-    for c in paper_comparisons(realm_start):
+    for c in paper_comparisons("retromae"):
         for metric in c.metrics:
-            per_seed, pooled_a, pooled_b = [], {}, {}
-            for i, ws in enumerate(workspaces):
-                out = ws / "metrics/eval"
-                pa, pb = per_query_path(out, "main", c.a), per_query_path(out, "main", c.b)
-                if not (pa.exists() and pb.exists()):
-                    break
-                a, b = per_query_metric(read_per_query(pa), metric), per_query_metric(read_per_query(pb), metric)
+            per_seed, pooled_a, pooled_b, poolable = [], {}, {}, True
+            for i, rec in enumerate(seeds):
+                pq = rec.get("per_query")
+                if pq is None:
+                    poolable = False
+                    got = _stored_test(rec, c.a, c.b, metric)
+                    if got is not None:
+                        per_seed.append(got)
+                    continue
+                if c.a not in pq or c.b not in pq:
+                    poolable = False
+                    continue
+                a, b = per_query_metric(pq[c.a], metric), per_query_metric(pq[c.b], metric)
                 r = paired_test(a, b)
                 per_seed.append({"delta": r.delta, "p": r.p_value, "n": r.n})
                 pooled_a.update({f"{i}/{q}": v for q, v in a.items()})
                 pooled_b.update({f"{i}/{q}": v for q, v in b.items()})
-            else:
+            if not per_seed:
+                continue
+            pooled = None
+            if poolable:
                 r = paired_test(pooled_a, pooled_b)
-                comparisons.append({"a": c.a, "b": c.b, "metric": metric, "question": c.question, "per_seed": per_seed,
-                                    "pooled": {"delta": r.delta, "p": r.p_value, "n": r.n}})
-    return {"seeds": seeds, "comparisons": comparisons}
+                pooled = {"delta": r.delta, "p": r.p_value, "n": r.n}
+            comparisons.append({"a": c.a, "b": c.b, "metric": metric, "question": c.question, "per_seed": per_seed,
+                                "pooled": pooled})
+    return {"seeds": [{k: v for k, v in rec.items() if k not in ("per_query", "comparisons")} for rec in seeds],
+            "comparisons": comparisons}
 
 
 def markdown(res: dict) -> str:
     seeds = res["seeds"]
     names = sorted(seeds[0]["rows"], key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n))
     lines = [f"Split: {seeds[0]['split']}; {len(seeds)} seeds. Mean over seeds (per-seed values in brackets).", "",
+             "| Seed | Commit | CPU | Wall |", "|---|---|---|---:|",
+             *(f"| {s.get('seed', '-')} | {s.get('commit') or '-'} | {s.get('cpu') or '-'} | {_wall(s.get('wall_seconds'))} |" for s in seeds),
+             "",
              "| System | nDCG@10 | R@20 | EM | F1 |", "|---|---:|---:|---:|---:|"]
     for name in names:
         cells = []
@@ -119,8 +192,10 @@ def markdown(res: dict) -> str:
     lines += ["", "Paired randomisation tests (delta = mean(A - B); two-sided p per seed, and pooled over every (seed, query) pair):", "",
               "| A | B | Metric | Delta per seed (p) | Pooled delta | Pooled p | n |", "|---|---|---|---|---:|---:|---:|"]
     for c in res["comparisons"]:
-        per = "; ".join(f"{s['delta']:+.3f} ({s['p']:.3f})" for s in c["per_seed"])
-        lines.append(f"| {c['a']} | {c['b']} | {c['metric']} | {per} | {c['pooled']['delta']:+.3f} | {c['pooled']['p']:.4f} | {c['pooled']['n']} |")
+        per = "; ".join(f"{s['delta']:+.3f} ({s['p']:.4f})" for s in c["per_seed"])
+        pooled = c["pooled"]
+        tail = f"{pooled['delta']:+.3f} | {pooled['p']:.4f} | {pooled['n']}" if pooled else "- | - | -"
+        lines.append(f"| {c['a']} | {c['b']} | {c['metric']} | {per} | {tail} |")
     lines += ["", "Stage wall times (seconds; MLflow run start to end):", "",
               "| Stage | " + " | ".join(f"seed {i}" for i in range(len(seeds))) + " |", "|---|" + "---:|" * len(seeds)]
     for st in STAGES:
@@ -129,15 +204,19 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _wall(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--split", choices=["test", "dev"], default="test")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/small_seeds"))
-    ap.add_argument("--collect", type=Path, nargs="*", help="finished workspaces: only build the tables")
+    ap.add_argument("--collect", type=Path, nargs="*", help="archives (seed<N>.json.gz) or finished workspaces: only build the tables")
     args = ap.parse_args()
-    workspaces = args.collect or [run_seed(s, args.split, args.workdir) for s in args.seeds]
-    res = collect(workspaces)
+    sources = args.collect or [archive(run_seed(s, args.split, args.workdir), s) for s in args.seeds]
+    res = collect(sources)
     RESULTS.write_text(json.dumps(res, indent=1))
     print(markdown(res))
 

@@ -1,0 +1,68 @@
+"""bench/small_seeds.py keeps what its p-values need: a finished seed is archived with its per-query
+scores, archives from different sessions pool into one test, and a hand-written summary of a lost
+workspace gives its per-seed test but never a pooled one (no per-query scores, nothing to pool)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import small_seeds
+from components.eval.comparisons import per_query_path
+from components.eval.significance import paired_test
+
+
+def _workspace(tmp_path, name: str, shift: float):
+    """A finished run's files: metrics/eval.json and the per-query scores of retromae and mlm."""
+    ws = tmp_path / name
+    scores = {"retromae": [0.9, 0.8, 0.7, 0.6, 0.5], "mlm": [0.5, 0.6, 0.4, 0.3, 0.2]}
+    rows = {}
+    for system, vals in scores.items():
+        path = per_query_path(ws / "metrics/eval", "main", system)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        vals = [v - shift for v in vals] if system == "mlm" else vals
+        path.write_text("".join(json.dumps({"qid": f"q{i}", "ndcg_at_10": v, "recall_at_20": 1.0}) + "\n"
+                                for i, v in enumerate(vals)))
+        rows[system] = {"ndcg_at_10": sum(vals) / len(vals), "recall_at_20": 1.0}
+    (ws / "metrics/eval.json").write_text(json.dumps({"split": "test", "main": rows}))
+    (ws / "wall_seconds.txt").write_text("125\n")
+    return ws
+
+
+@pytest.fixture
+def archive_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(small_seeds, "ARCHIVE", tmp_path / "archive")
+    monkeypatch.setattr(small_seeds, "stage_seconds", lambda ws: {"evaluate": 1.0})  # no MLflow store here
+    return tmp_path / "archive"
+
+
+def test_archives_pool_over_seeds_and_keep_each_seeds_test(tmp_path, archive_dir):
+    ws0, ws1 = _workspace(tmp_path, "seed0", 0.0), _workspace(tmp_path, "seed1", 0.1)
+    a0, a1 = small_seeds.archive(ws0, 0), small_seeds.archive(ws1, 1)
+    assert a0 == archive_dir / "seed0.json.gz" and not list(archive_dir.glob("*.tmp"))
+    rec = small_seeds.load_seed(a1)
+    assert rec["seed"] == 1 and rec["wall_seconds"] == 125 and rec["per_query"]["mlm"]["q0"]["ndcg_at_10"] == pytest.approx(0.4)
+
+    res = small_seeds.collect([a0, a1])
+    c = next(c for c in res["comparisons"] if (c["a"], c["b"], c["metric"]) == ("retromae", "mlm", "ndcg_at_10"))
+    assert [round(s["delta"], 6) for s in c["per_seed"]] == [0.3, 0.4]
+    both_a = {f"{i}/q{j}": v for i in (0, 1) for j, v in enumerate([0.9, 0.8, 0.7, 0.6, 0.5])}
+    both_b = {f"0/q{j}": v for j, v in enumerate([0.5, 0.6, 0.4, 0.3, 0.2])}
+    both_b.update({f"1/q{j}": v - 0.1 for j, v in enumerate([0.5, 0.6, 0.4, 0.3, 0.2])})
+    want = paired_test(both_a, both_b)
+    assert c["pooled"]["n"] == 10 and c["pooled"]["delta"] == pytest.approx(want.delta) and c["pooled"]["p"] == want.p_value
+    assert all("per_query" not in s for s in res["seeds"])  # the summary json stays small
+    assert "| retromae | mlm | ndcg_at_10 | +0.300 (0.0625); +0.400 (0.0625) | +0.350 |" in small_seeds.markdown(res)
+
+
+def test_a_summary_without_per_query_scores_is_never_pooled(tmp_path, archive_dir):
+    lost = tmp_path / "seed0.json"
+    lost.write_text(json.dumps({"seed": 0, "split": "test", "rows": {"retromae": {"ndcg_at_10": 0.7}, "mlm": {"ndcg_at_10": 0.4}},
+                                "per_query": None, "stage_seconds": {}, "wall_seconds": None,
+                                "comparisons": [{"a": "retromae", "b": "mlm", "metric": "ndcg_at_10", "delta": 0.3, "p": 0.01, "n": 5}]}))
+    res = small_seeds.collect([lost, small_seeds.archive(_workspace(tmp_path, "seed1", 0.1), 1)])
+    c = next(c for c in res["comparisons"] if (c["a"], c["b"], c["metric"]) == ("retromae", "mlm", "ndcg_at_10"))
+    assert [s["delta"] for s in c["per_seed"]][0] == 0.3 and c["per_seed"][0]["p"] == 0.01
+    assert c["per_seed"][1]["delta"] == pytest.approx(0.4) and c["pooled"] is None
+    assert "| retromae | mlm | ndcg_at_10 | +0.300 (0.0100); +0.400 (0.0625) | - | - | - |" in small_seeds.markdown(res)
