@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from components.eval.comparisons import paper_comparisons, per_query_path, read_per_query  # noqa: E402
 from components.eval.significance import paired_test, per_query_metric  # noqa: E402
+from components.progress import format_duration  # noqa: E402
 
 RESULTS = ROOT / "bench/results/small_seeds.json"
 ARCHIVE = ROOT / "bench/results/small_seeds"
@@ -95,19 +96,14 @@ def cpu_name() -> str:
 
 
 def archive(ws: Path, seed: int) -> Path:
-    """A finished workspace -> bench/results/small_seeds/seed<N>.json.gz (written atomically)."""
-    table = json.loads((ws / "metrics/eval.json").read_text())
-    wall = ws / "wall_seconds.txt"
-    per_query = {}
-    for system in table["main"]:
-        path = per_query_path(ws / "metrics/eval", "main", system)
-        if path.exists():
-            per_query[system] = {q: {m: round(v, 6) for m, v in scores.items() if m in ROW_METRICS}
-                                 for q, scores in read_per_query(path).items()}
+    """A finished workspace -> bench/results/small_seeds/seed<N>.json.gz (written atomically): its
+    record as `load_seed` reads it, with the seed, commit and CPU, and only the table's metrics."""
+    rec = load_seed(ws)
+    rec.pop("workspace")
+    rec["per_query"] = {system: {q: {m: round(v, 6) for m, v in scores.items() if m in ROW_METRICS} for q, scores in pq.items()}
+                        for system, pq in rec["per_query"].items()}
     commit = subprocess.run(["git", "-C", str(ws), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    rec = {"seed": seed, "commit": commit, "cpu": cpu_name(), "split": table.get("split"), "rows": table["main"],
-           "wall_seconds": float(wall.read_text()) if wall.exists() else None, "stage_seconds": stage_seconds(ws),
-           "per_query": per_query}
+    rec.update(seed=seed, commit=commit, cpu=cpu_name())
     ARCHIVE.mkdir(parents=True, exist_ok=True)
     dest = ARCHIVE / f"seed{seed}.json.gz"
     tmp = dest.with_suffix(".tmp")
@@ -179,7 +175,7 @@ def markdown(res: dict) -> str:
     names = sorted(seeds[0]["rows"], key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n))
     lines = [f"Split: {seeds[0]['split']}; {len(seeds)} seeds. Mean over seeds (per-seed values in brackets).", "",
              "| Seed | Commit | CPU | Wall |", "|---|---|---|---:|",
-             *(f"| {s.get('seed', '-')} | {s.get('commit') or '-'} | {s.get('cpu') or '-'} | {_wall(s.get('wall_seconds'))} |" for s in seeds),
+             *(f"| {s.get('seed', '-')} | {s.get('commit') or '-'} | {s.get('cpu') or '-'} | {'-' if s.get('wall_seconds') is None else format_duration(s['wall_seconds'])} |" for s in seeds),
              "",
              "| System | nDCG@10 | R@20 | EM | F1 |", "|---|---:|---:|---:|---:|"]
     for name in names:
@@ -202,10 +198,6 @@ def markdown(res: dict) -> str:
         lines.append(f"| {st} | " + " | ".join(str(s["stage_seconds"].get(st, "-")) for s in seeds) + " |")
     lines.append("| **pipeline (wall)** | " + " | ".join(str(s["wall_seconds"]) for s in seeds) + " |")
     return "\n".join(lines)
-
-
-def _wall(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
 
 
 def main() -> None:
