@@ -161,6 +161,20 @@ def dvc_push() -> None:
         raise RuntimeError(f"dvc push failed (exit {rc}); check the default remote (`dvc remote list`, scripts/dvc_remote.sh)")
 
 
+def missing_outputs(dvc_yaml: str | os.PathLike = "dvc.yaml") -> dict[str, list[str]]:
+    """The outputs (`outs`, `metrics`, `plots`) that dvc.yaml declares and the workspace lacks, by
+    stage. `dvc exp save` refuses to save while any is missing, which is the normal state after a
+    partial run (`upto` / `only`) in a workspace where the other stages never ran."""
+    stages = (yaml.safe_load(Path(dvc_yaml).read_text(encoding="utf-8")) or {}).get("stages", {})
+    missing: dict[str, list[str]] = {}
+    for stage, spec in stages.items():
+        declared = [next(iter(o)) if isinstance(o, dict) else o
+                    for key in ("outs", "metrics", "plots") for o in spec.get(key) or []]
+        if gone := [d for d in declared if not Path(d).exists()]:
+            missing[stage] = gone
+    return missing
+
+
 @task(cache_policy=NO_CACHE, name="dvc-exp-save")
 def exp_save(name: str | None = None) -> str:
     """Record the workspace (params.yaml, dvc.lock, metrics, plots) as a DVC experiment.
@@ -241,7 +255,14 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
         for stage in stages:
             result[stage] = repro_stage(stage, force=(stage == target))
         if changes or name:
-            exp_save(name)
+            if missing := missing_outputs():
+                get_run_logger().warning(
+                    "not saved as a DVC experiment: `dvc exp save` needs every output of dvc.yaml, and the "
+                    "stages this run did not reach have none yet (%s). The stages ran and dvc.lock records them; "
+                    "run the rest of the DAG (or `dvc exp save` once the outputs exist) to save it.",
+                    "; ".join(f"{st}: {', '.join(paths)}" for st, paths in missing.items()))
+            else:
+                exp_save(name)
         if push:
             dvc_push()
         record_lineage(params, parent, result)
