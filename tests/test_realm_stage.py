@@ -301,6 +301,8 @@ def test_sync_refresh_outputs_child_runs_and_step_boundary_swap(ws):
     # both warm-ups ran before REALM: ICT on the RetroMAE towers, and the reader on its own blocks
     assert summary["ict_steps"] == 2 and summary["reader_warmup_steps"] == 2 and "reader_warmup_final_reader_acc" in summary
     assert [s for s, _ in metric_steps(run_id, "reader_warmup_loss")] == [1, 2]
+    # both warm-ups count the tokens they read, so their progress lines carry tokens/s
+    assert all(metric_steps(run_id, f"{w}_tokens_per_s") for w in ("ict", "reader_warmup"))
     assert 0.0 <= summary["recall_at_k"] <= 1.0 and summary["probe_set"] == "dev_questions"
     assert summary["heldout_n"] > 0 and 0.0 <= summary["heldout_recall_at_k_start"] <= 1.0
     assert 0.0 <= summary["eval_mlm_acc_start"] <= 1.0 and 0.0 <= summary["heldout_recall_at_k"] <= 1.0

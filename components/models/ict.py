@@ -30,4 +30,5 @@ class ICTModel(nn.Module):
             scores = q.float() @ d.float().T  # (B, B)
         target = torch.arange(scores.shape[0], device=scores.device)
         loss = F.cross_entropy(scores, target)
-        return {"loss": loss, "ict_acc": (scores.argmax(-1) == target).float().mean().detach()}
+        return {"loss": loss, "ict_acc": (scores.argmax(-1) == target).float().mean().detach(),
+                "num_tokens": (batch["q_attention_mask"].sum() + batch["d_attention_mask"].sum()).detach()}  # tokens/s

@@ -185,7 +185,8 @@ class ReaderWarmupModel(nn.Module):
                                                       batch["z_attention_mask"], reader.pad_token_id)  # (B, 1, L)
         log_py = reader.masked_log_probs(ids, mask, types, mask_batch, mask_pos)[:, 0]  # (M, V)
         loss = F.nll_loss(log_py, targets) if targets.numel() else log_py.sum() * 0.0
-        return {"loss": loss, "reader_acc": (log_py.argmax(-1) == targets).float().mean().nan_to_num(0.0).detach()}
+        return {"loss": loss, "reader_acc": (log_py.argmax(-1) == targets).float().mean().nan_to_num(0.0).detach(),
+                "num_tokens": mask.sum().detach()}  # the tokens the reader reads: the progress line's tokens/s
 
 
 def reader_warmup(reader: KnowledgeAugmentedEncoder, blocks, rows: list[int], params: Params, special: SpecialTokens,
