@@ -381,6 +381,10 @@ class FinetuneParams(_Section):
     # ORQA (Lee et al. 2019, sec. 3-4; language/orqa/models/orqa_model.py): each step searches the frozen index
     qa_retrieval_beam: int = Field(ge=1, description="blocks the current query tower retrieves each step for the "
                                    "retrieval (early update) loss; the reader reads the first qa_top_k")
+    qa_search: Literal["per_step", "fixed"] = Field(description="per_step: ORQA's search with the query tower as it "
+                                                    "is at each step; fixed: every training question's beam searched once "
+                                                    "with the tower before fine-tuning (the ablation of the per-step search; "
+                                                    "evaluation still searches with the fine-tuned tower)")
     span_scorer: Literal["linear", "mlp"] = Field(description="linear: start + end logits; mlp: ORQA's "
                                                   "w . LN(ReLU(W [h_start; h_end]))")
     span_hidden: int = Field(ge=1, description="hidden units of the mlp span scorer")

@@ -17,7 +17,7 @@ from components.data.tokenize import train_wordpiece
 from components.models.biencoder import BiEncoder
 from components.models.reader import OpenQA, SpanReader
 from components.models.span_scores import SpanMLP
-from components.retrieval.search import dense_search, tower_search_fn
+from components.retrieval.search import dense_search, frozen_search_fn, tower_search_fn
 from tests.test_reader import tiny_reader_config, tokenized_blocks
 
 BLOCKS = [
@@ -304,6 +304,30 @@ def test_every_batch_is_retrieved_with_the_query_tower_as_it_is_now(tok, blocks,
             p.add_(torch.randn_like(p) * 0.5)
     now = collate(stale)["candidate_rows"].tolist()
     assert now == exact_top(model, tok, block_vecs, K) and now != seen[0]
+
+
+def test_fixed_search_keeps_the_beams_of_the_tower_before_fine_tuning(tok, blocks, block_vecs):
+    """`finetune.qa_search: fixed`, the ablation: every batch reads the beam the tower had before the
+    first step, however far the tower moves; the retrieval loss still scores it with the tower now."""
+    model = make_model(len(tok)).train()
+    search = tower_search_fn(model.retriever, tok, QLEN, lambda q, n: dense_search(q, block_vecs, n))
+    before = exact_top(model, tok, block_vecs, 5)
+    fixed = frozen_search_fn(search, [q for q, _ in QUESTIONS] + [QUESTIONS[0][0]], 5)  # a repeat is one entry
+    collate = QACollator(tok, blocks, block_vecs, query_len=QLEN, passage_len=PLEN, top_k=K, max_answer_tokens=A,
+                         retrieve=fixed, beam=5)
+    with torch.no_grad():
+        for p in model.retriever.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert exact_top(model, tok, block_vecs, 5) != before  # the tower moved ...
+    batch = collate(rows())
+    assert batch["beam_rows"].tolist() == before  # ... the beams did not
+    assert batch["candidate_rows"].tolist() == [b[:K] for b in before]
+    model(batch)["loss"].backward()  # the beam's scores come from the tower now: it still learns
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.retriever.parameters())
+    with pytest.raises(KeyError, match="built without 1 of these questions"):
+        fixed(["Who is not in the table?"], 5)
+    with pytest.raises(ValueError, match="top 5, not 6"):
+        fixed([QUESTIONS[0][0]], 6)
 
 
 def test_evaluation_retrieves_as_training_does(tok, blocks, block_vecs):

@@ -118,6 +118,25 @@ def retriever_encode_fn(retriever, tokenizer, query_len: int) -> EncodeFn:
     return encode
 
 
+def frozen_search_fn(search: Callable[[Sequence[str], int], np.ndarray], questions: Sequence[str],
+                     n: int) -> Callable[[Sequence[str], int], np.ndarray]:
+    """`search` (a `tower_search_fn`) run once, now, over every question, then answered from that
+    table: each question's top n as the tower is *before* fine-tuning, whatever it becomes
+    (`finetune.qa_search: fixed`, the ablation of ORQA's per-step search). Same contract as
+    `search`; asking for a question it was not built with, or for more than n rows, is an error."""
+    unique = list(dict.fromkeys(questions))
+    table = dict(zip(unique, np.asarray(search(unique, n)))) if unique else {}  # question -> (n,) rows
+
+    def lookup(texts: Sequence[str], k: int) -> np.ndarray:
+        if k > n:
+            raise ValueError(f"the fixed search holds each question's top {n}, not {k}")
+        missing = [t for t in texts if t not in table]
+        if missing:
+            raise KeyError(f"the fixed search was built without {len(missing)} of these questions, e.g. {missing[0]!r}")
+        return np.stack([table[t][:k] for t in texts])  # (Q, k)
+    return lookup
+
+
 def tower_search_fn(retriever, tokenizer, query_len: int, search_fn: SearchFn) -> Callable[[Sequence[str], int], np.ndarray]:
     """(questions, n) -> (Q, n) block rows (-1 padded): the top n of the frozen index for the query
     tower *as it is when called* (ORQA's per-step search; the open-QA collator calls it once per

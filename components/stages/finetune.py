@@ -46,7 +46,8 @@ from components.models.encoder import resolve_pretrained
 from components.paths import (CORPUS, FINETUNE_OPEN_QA, FINETUNE_OUT, FINETUNE_RETRIEVERS, INIT_ENCODER, MLM_ENCODER,
                               REALM_OUT, RETROMAE_ENCODER, TOKENS, stage_metrics)
 from components.retrieval.negatives import mine_bm25_negatives, mine_dense_negatives
-from components.retrieval.search import QA_SYSTEM_INDEX, bm25_qa_blocks, gold_qa_blocks, load_block_index, tower_search_fn
+from components.retrieval.search import (QA_SYSTEM_INDEX, bm25_qa_blocks, frozen_search_fn, gold_qa_blocks, load_block_index,
+                                         tower_search_fn)
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
 from components.training.trainer import LrGroup, Trainer, phase_params, prefixed
@@ -136,7 +137,8 @@ def reader_init_folder() -> Path:
 def qa_selection(system: str, ft, tokenizer, blocks, qa: list[dict]):
     """(rows, block vectors or None, query tower or None, retrieve or None) for one QA system.
     Dense systems: REALM's query tower, the vectors of a frozen REALM index and `retrieve`, that
-    index searched with the tower as it is at each call (the collator's per-step search). BM25:
+    index searched with the tower as it is at each call (the collator's per-step search), or with
+    `finetune.qa_search: fixed` as it was before fine-tuning. BM25:
     rows + its fixed top k `block_rows`, no tower (uniform p(z|x) over its top k)."""
     from components.models.retriever import Retriever
 
@@ -144,7 +146,10 @@ def qa_selection(system: str, ft, tokenizer, blocks, qa: list[dict]):
         return bm25_qa_blocks(qa, ft.qa_top_k, block_texts=list(blocks["text"])), None, None, None
     vecs, index = load_block_index(REALM_OUT / "index" / QA_SYSTEM_INDEX[system], blocks)  # frozen during fine-tuning
     retriever = Retriever.from_pretrained(REALM_OUT / "retriever")
-    return list(qa), vecs, retriever, tower_search_fn(retriever, tokenizer, ft.query_len, index.search)
+    search = tower_search_fn(retriever, tokenizer, ft.query_len, index.search)
+    if ft.qa_search == "fixed":  # the ablation: every beam from the tower before fine-tuning
+        search = frozen_search_fn(search, [r["question"] for r in qa], ft.qa_retrieval_beam)
+    return list(qa), vecs, retriever, search
 
 
 def new_reader(ft, folder: Path | None = None):
