@@ -137,33 +137,34 @@ def _stored_test(rec: dict, a: str, b: str, metric: str) -> dict | None:
 
 
 def collect(sources: list[Path]) -> dict:
+    """Every paper comparison per seed, and pooled over the (seed, query) pairs of the seeds whose
+    per-query scores were kept (at least two; a summary without them gives its own test only)."""
     seeds = [load_seed(src) for src in sources]
     comparisons = []
     for c in paper_comparisons("retromae"):
         for metric in c.metrics:
-            per_seed, pooled_a, pooled_b, poolable = [], {}, {}, True
+            per_seed, pooled_a, pooled_b, pooled_seeds = [], {}, {}, []
             for i, rec in enumerate(seeds):
                 pq = rec.get("per_query")
                 if pq is None:
-                    poolable = False
                     got = _stored_test(rec, c.a, c.b, metric)
                     if got is not None:
                         per_seed.append(got)
                     continue
                 if c.a not in pq or c.b not in pq:
-                    poolable = False
                     continue
                 a, b = per_query_metric(pq[c.a], metric), per_query_metric(pq[c.b], metric)
                 r = paired_test(a, b)
                 per_seed.append({"delta": r.delta, "p": r.p_value, "n": r.n})
                 pooled_a.update({f"{i}/{q}": v for q, v in a.items()})
                 pooled_b.update({f"{i}/{q}": v for q, v in b.items()})
+                pooled_seeds.append(rec.get("seed", i))
             if not per_seed:
                 continue
             pooled = None
-            if poolable:
+            if len(pooled_seeds) >= 2:
                 r = paired_test(pooled_a, pooled_b)
-                pooled = {"delta": r.delta, "p": r.p_value, "n": r.n}
+                pooled = {"delta": r.delta, "p": r.p_value, "n": r.n, "seeds": pooled_seeds}
             comparisons.append({"a": c.a, "b": c.b, "metric": metric, "question": c.question, "per_seed": per_seed,
                                 "pooled": pooled})
     return {"seeds": [{k: v for k, v in rec.items() if k not in ("per_query", "comparisons")} for rec in seeds],
@@ -185,7 +186,10 @@ def markdown(res: dict) -> str:
             vals = [v for v in vals if v is not None]
             cells.append(f"{sum(vals) / len(vals):.3f} ({', '.join(f'{v:.3f}' for v in vals)})" if vals else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Paired randomisation tests (delta = mean(A - B); two-sided p per seed, and pooled over every (seed, query) pair):", "",
+    pooled_over = next((c["pooled"]["seeds"] for c in res["comparisons"] if c["pooled"]), None)
+    over = (f"pooled over every (seed, query) pair of seeds {', '.join(map(str, pooled_over))}" if pooled_over else
+            "no pooled test (fewer than two seeds kept their per-query scores)")
+    lines += ["", f"Paired randomisation tests (delta = mean(A - B); two-sided p per seed, and {over}):", "",
               "| A | B | Metric | Delta per seed (p) | Pooled delta | Pooled p | n |", "|---|---|---|---|---:|---:|---:|"]
     for c in res["comparisons"]:
         per = "; ".join(f"{s['delta']:+.3f} ({s['p']:.4f})" for s in c["per_seed"])
@@ -193,10 +197,10 @@ def markdown(res: dict) -> str:
         tail = f"{pooled['delta']:+.3f} | {pooled['p']:.4f} | {pooled['n']}" if pooled else "- | - | -"
         lines.append(f"| {c['a']} | {c['b']} | {c['metric']} | {per} | {tail} |")
     lines += ["", "Stage wall times (seconds; MLflow run start to end):", "",
-              "| Stage | " + " | ".join(f"seed {i}" for i in range(len(seeds))) + " |", "|---|" + "---:|" * len(seeds)]
+              "| Stage | " + " | ".join(f"seed {s.get('seed', i)}" for i, s in enumerate(seeds)) + " |", "|---|" + "---:|" * len(seeds)]
     for st in STAGES:
         lines.append(f"| {st} | " + " | ".join(str(s["stage_seconds"].get(st, "-")) for s in seeds) + " |")
-    lines.append("| **pipeline (wall)** | " + " | ".join(str(s["wall_seconds"]) for s in seeds) + " |")
+    lines.append("| **pipeline (wall)** | " + " | ".join("-" if s["wall_seconds"] is None else str(s["wall_seconds"]) for s in seeds) + " |")
     return "\n".join(lines)
 
 

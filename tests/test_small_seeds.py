@@ -1,6 +1,7 @@
 """bench/small_seeds.py keeps what its p-values need: a finished seed is archived with its per-query
 scores, archives from different sessions pool into one test, and a hand-written summary of a lost
-workspace gives its per-seed test but never a pooled one (no per-query scores, nothing to pool)."""
+workspace gives its per-seed test and stays out of the pooled one (no per-query scores to pool), which
+the seeds that kept theirs still form."""
 
 from __future__ import annotations
 
@@ -52,11 +53,12 @@ def test_archives_pool_over_seeds_and_keep_each_seeds_test(tmp_path, archive_dir
     both_b.update({f"1/q{j}": v - 0.1 for j, v in enumerate([0.5, 0.6, 0.4, 0.3, 0.2])})
     want = paired_test(both_a, both_b)
     assert c["pooled"]["n"] == 10 and c["pooled"]["delta"] == pytest.approx(want.delta) and c["pooled"]["p"] == want.p_value
+    assert c["pooled"]["seeds"] == [0, 1]
     assert all("per_query" not in s for s in res["seeds"])  # the summary json stays small
     assert "| retromae | mlm | ndcg_at_10 | +0.300 (0.0625); +0.400 (0.0625) | +0.350 |" in small_seeds.markdown(res)
 
 
-def test_a_summary_without_per_query_scores_is_never_pooled(tmp_path, archive_dir):
+def test_a_summary_without_per_query_scores_stays_out_of_the_pooled_test(tmp_path, archive_dir):
     lost = tmp_path / "seed0.json"
     lost.write_text(json.dumps({"seed": 0, "split": "test", "rows": {"retromae": {"ndcg_at_10": 0.7}, "mlm": {"ndcg_at_10": 0.4}},
                                 "per_query": None, "stage_seconds": {}, "wall_seconds": None,
@@ -66,3 +68,12 @@ def test_a_summary_without_per_query_scores_is_never_pooled(tmp_path, archive_di
     assert [s["delta"] for s in c["per_seed"]][0] == 0.3 and c["per_seed"][0]["p"] == 0.01
     assert c["per_seed"][1]["delta"] == pytest.approx(0.4) and c["pooled"] is None
     assert "| retromae | mlm | ndcg_at_10 | +0.300 (0.0100); +0.400 (0.0625) | - | - | - |" in small_seeds.markdown(res)
+    # with two more seeds that kept their per-query scores, those two pool; the summary stays out
+    res = small_seeds.collect([lost, small_seeds.archive(_workspace(tmp_path, "seed1", 0.1), 1),
+                               small_seeds.archive(_workspace(tmp_path, "seed2", 0.2), 2)])
+    c = next(c for c in res["comparisons"] if (c["a"], c["b"], c["metric"]) == ("retromae", "mlm", "ndcg_at_10"))
+    assert len(c["per_seed"]) == 3 and c["pooled"]["seeds"] == [1, 2] and c["pooled"]["n"] == 10
+    assert c["pooled"]["delta"] == pytest.approx(0.45)
+    md = small_seeds.markdown(res)
+    assert "pooled over every (seed, query) pair of seeds 1, 2" in md and "| Stage | seed 0 | seed 1 | seed 2 |" in md
+    assert "| **pipeline (wall)** | - | 125.0 | 125.0 |" in md

@@ -1,0 +1,163 @@
+"""ORQA's reader choices on the DEV split (issue 18): one set of pre-trained models, the open-QA
+readers fine-tuned and evaluated once per variant, paired tests over the dev questions.
+
+A variant is a name and dotted `finetune.*` overrides; the first is the baseline the others are
+compared with. Each variant runs the finetune stage's reader half (`finetune_readers`: the shared
+own-paragraph phase, then one reader per `finetune.qa_systems` entry over its own retrieval) and
+the evaluate stage's open-QA half (`qa_rows`), in the workspace, exactly as the pipeline runs them.
+
+    # a workspace with the pre-trained models, dev split (the test split is never read here):
+    git clone -q . /tmp/orqa && cd /tmp/orqa && make setup
+    .venv/bin/python -m flows.pipeline --preset small --set evaluate.split=dev --upto pretrain_realm
+    cd - && .venv/bin/python -m bench.orqa_reader_ablation --workspace /tmp/orqa \
+        --variant linear+per_block: --variant mlp+joint:finetune.span_scorer=mlp,finetune.span_softmax=joint
+
+Each finished variant is kept in `--cache` (default <workspace>/bench_orqa_readers/<name>.result.json,
+per-query scores included) and reused by a later call that names it with the same overrides, so a
+killed run loses at most one variant, and variants run in different workspaces or calls (a param
+that the workspace's params.yaml must hold first) join one table: point `--cache` at one folder.
+Delete a variant's file to run it again.
+
+Writes bench/results/orqa_readers.json (EM/F1 per variant and system, the reader fine-tuning
+seconds, the paired randomisation tests) and orqa_readers_per_query.json.gz beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OUT = ROOT / "bench" / "results" / "orqa_readers.json"
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """'name:key=value,key=value' -> (name, {key: value}); values are YAML scalars."""
+    name, _, rest = spec.partition(":")
+    if not name:
+        raise SystemExit(f"--variant {spec!r}: expected NAME:key=value,... (NAME: alone for no override)")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("finetune."):
+            raise SystemExit(f"--variant {spec!r}: {item!r} is not finetune.<key>=<value> (only the readers are retrained)")
+        overrides[key] = yaml.safe_load(value)
+    return name, overrides
+
+
+def run_variant(name: str, overrides: dict, systems: list[str], split: str, scratch: Path) -> dict:
+    """Fine-tune and evaluate the readers of one variant in the current directory (the workspace)."""
+    from components.config import load_params
+    from components.data.tokenize import load_tokenizer
+    from components.eval.comparisons import per_query_path, read_per_query
+    from components.paths import FINETUNE_OPEN_QA, TOKENS
+    from components.stages.evaluate import eval_sets, qa_rows
+    from components.stages.finetune import finetune_readers
+
+    params = load_params("params.yaml", overrides={**overrides, "finetune.qa_systems": systems, "evaluate.split": split})
+    tokenizer = load_tokenizer(TOKENS / "tokenizer")
+    shutil.rmtree(FINETUNE_OPEN_QA, ignore_errors=True)  # no reader of an earlier variant is evaluated
+    t0 = time.perf_counter()
+    summary = finetune_readers(params, None, tokenizer)
+    train_s = time.perf_counter() - t0
+    main_set = eval_sets(params, tokenizer)[0]
+    out_dir = scratch / name
+    t0 = time.perf_counter()
+    rows = qa_rows(params, main_set, tokenizer, out_dir)
+    eval_s = time.perf_counter() - t0
+    per_query = {r["system"]: read_per_query(per_query_path(out_dir, main_set.name, r["system"])) for r in rows}
+    return {"name": name, "overrides": overrides, "train_s": round(train_s, 1), "eval_s": round(eval_s, 1),
+            "rows": {r["system"]: {"em": r["em"], "f1": r["f1"], "n": r["n_questions"]} for r in rows},
+            "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))},
+            "workspace": str(Path.cwd()), "commit": _commit(), "per_query": per_query}
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def cached_variant(cache: Path, name: str, overrides: dict, run) -> dict:
+    """The variant's record from `cache`, or `run()`'s, written there atomically first."""
+    path = cache / (re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".result.json")
+    if path.is_file():
+        v = json.loads(path.read_text())
+        if v["overrides"] == overrides:
+            print(f"[orqa_readers] variant {name}: reused {path}", flush=True)
+            return v
+        raise SystemExit(f"{path} holds variant {name} with overrides {v['overrides']}, not {overrides}: "
+                         "name the variant differently, or delete the file to run it again")
+    v = run()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(v))
+    tmp.replace(path)
+    return v
+
+
+def compare(variants: list[dict]) -> list[dict]:
+    """Each later variant against the first, per system and metric (paired randomisation test)."""
+    from components.eval.significance import paired_test, per_query_metric
+
+    base, out = variants[0], []
+    for v in variants[1:]:
+        for system in base["per_query"]:
+            if system not in v["per_query"] or system == "qa:closed-book":
+                continue
+            for metric in ("em", "f1"):
+                r = paired_test(per_query_metric(v["per_query"][system], metric),
+                                per_query_metric(base["per_query"][system], metric))
+                out.append({"a": v["name"], "b": base["name"], "system": system, "metric": metric,
+                            "delta": round(r.delta, 4), "p": round(r.p_value, 4), "n": r.n})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workspace", required=True, type=Path, help="a checkout with data/ and the pre-trained models/")
+    ap.add_argument("--variant", action="append", required=True, metavar="NAME:KEY=VALUE,...")
+    ap.add_argument("--systems", nargs="+", default=["closed-book", "bm25", "realm"])
+    ap.add_argument("--split", default="dev", choices=["dev"], help="settings are chosen on dev; this script never reads test")
+    ap.add_argument("--cache", type=Path, help="finished variants (default: <workspace>/bench_orqa_readers)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s - %(message)s")
+    specs = [parse_variant(s) for s in a.variant]
+    ws = a.workspace.resolve()
+    cache = (a.cache or ws / "bench_orqa_readers").resolve()
+    variants = []
+    with contextlib.chdir(ws):
+        for name, overrides in specs:
+            print(f"[orqa_readers] variant {name} {overrides}", flush=True)
+            v = cached_variant(cache, name, overrides,
+                               lambda: run_variant(name, overrides, a.systems, a.split, cache / "per_query"))
+            print(f"[orqa_readers] {name}: {json.dumps(v['rows'])} train {v['train_s']}s eval {v['eval_s']}s", flush=True)
+            variants.append(v)
+        realm_params = yaml.safe_load(Path("params.yaml").read_text())["realm"]
+    res = {"commit": _commit(), "split": a.split, "cpus": os.cpu_count(), "workspace_realm_params": realm_params,
+           "variants": [{k: v for k, v in x.items() if k != "per_query"} for x in variants],
+           "comparisons": compare(variants)}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2))
+    with gzip.open(a.out.with_name(a.out.stem + "_per_query.json.gz"), "wt") as f:
+        json.dump({x["name"]: x["per_query"] for x in variants}, f)
+    for c in res["comparisons"]:
+        print(f"{c['a']} - {c['b']}  {c['system']:<16} {c['metric']}: {c['delta']:+.4f} (p {c['p']:.4f}, n {c['n']})")
+    return res
+
+
+if __name__ == "__main__":
+    main()
