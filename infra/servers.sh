@@ -66,7 +66,9 @@ http_ok() {  # URL -> 0 when it answers 2xx
 }
 
 alive() {  # PIDFILE -> 0 when its process group still has a member
-  [ -f "$1" ] && kill -0 -- "-$(cat "$1")" 2>/dev/null
+  # The pid itself too: right after `spawn` the child may not have called setsid yet (a loaded
+  # machine), and until it does no process group carries its pid.
+  [ -f "$1" ] && { kill -0 -- "-$(cat "$1")" 2>/dev/null || kill -0 "$(cat "$1")" 2>/dev/null; }
 }
 
 spawn() {  # PIDFILE LOG CMD... : start CMD in a new session; its pid is also its process group id
