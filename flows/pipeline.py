@@ -161,18 +161,16 @@ def dvc_push() -> None:
         raise RuntimeError(f"dvc push failed (exit {rc}); check the default remote (`dvc remote list`, scripts/dvc_remote.sh)")
 
 
-def missing_outputs(dvc_yaml: str | os.PathLike = "dvc.yaml") -> dict[str, list[str]]:
+def missing_outputs() -> dict[str, list[str]]:
     """The outputs (`outs`, `metrics`, `plots`) that dvc.yaml declares and the workspace lacks, by
-    stage. `dvc exp save` refuses to save while any is missing, which is the normal state after a
-    partial run (`upto` / `only`) in a workspace where the other stages never ran."""
-    stages = (yaml.safe_load(Path(dvc_yaml).read_text(encoding="utf-8")) or {}).get("stages", {})
-    missing: dict[str, list[str]] = {}
-    for stage, spec in stages.items():
-        declared = [next(iter(o)) if isinstance(o, dict) else o
-                    for key in ("outs", "metrics", "plots") for o in spec.get(key) or []]
-        if gone := [d for d in declared if not Path(d).exists()]:
-            missing[stage] = gone
-    return missing
+    stage, as DVC's own index lists them. `dvc exp save` refuses to save while any is missing, which
+    is the normal state after a partial run (`upto` / `only`) in a workspace where the other stages
+    never ran."""
+    from dvc.repo import Repo
+
+    with Repo() as repo:
+        missing = {s.addressing: [str(o.def_path) for o in s.outs if not o.exists] for s in repo.index.stages}
+    return {stage: gone for stage, gone in missing.items() if gone}
 
 
 @task(cache_policy=NO_CACHE, name="dvc-exp-save")

@@ -113,6 +113,7 @@ def test_missing_outputs_names_what_a_partial_run_leaves_out(tmp_path):
     from flows.pipeline import missing_outputs
 
     shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
     spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     declared = {s: _names(spec[s].get("outs")) + _names(spec[s].get("metrics")) + _names(spec[s].get("plots")) for s in spec}
     with contextlib.chdir(tmp_path):
