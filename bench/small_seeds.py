@@ -136,6 +136,11 @@ def _stored_test(rec: dict, a: str, b: str, metric: str) -> dict | None:
     return None
 
 
+def _seed_label(rec: dict, i: int):
+    """The seed number an archive records, else the source's position (a workspace knows no seed)."""
+    return i if rec.get("seed") is None else rec["seed"]
+
+
 def collect(sources: list[Path]) -> dict:
     """Every paper comparison per seed, and pooled over the (seed, query) pairs of the seeds whose
     per-query scores were kept (at least two; a summary without them gives its own test only)."""
@@ -158,7 +163,7 @@ def collect(sources: list[Path]) -> dict:
                 per_seed.append({"delta": r.delta, "p": r.p_value, "n": r.n})
                 pooled_a.update({f"{i}/{q}": v for q, v in a.items()})
                 pooled_b.update({f"{i}/{q}": v for q, v in b.items()})
-                pooled_seeds.append(rec.get("seed", i))
+                pooled_seeds.append(_seed_label(rec, i))
             if not per_seed:
                 continue
             pooled = None
@@ -176,7 +181,7 @@ def markdown(res: dict) -> str:
     names = sorted(seeds[0]["rows"], key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n))
     lines = [f"Split: {seeds[0]['split']}; {len(seeds)} seeds. Mean over seeds (per-seed values in brackets).", "",
              "| Seed | Commit | CPU | Wall |", "|---|---|---|---:|",
-             *(f"| {s.get('seed', '-')} | {s.get('commit') or '-'} | {s.get('cpu') or '-'} | {'-' if s.get('wall_seconds') is None else format_duration(s['wall_seconds'])} |" for s in seeds),
+             *(f"| {_seed_label(s, i)} | {s.get('commit') or '-'} | {s.get('cpu') or '-'} | {'-' if s.get('wall_seconds') is None else format_duration(s['wall_seconds'])} |" for i, s in enumerate(seeds)),
              "",
              "| System | nDCG@10 | R@20 | EM | F1 |", "|---|---:|---:|---:|---:|"]
     for name in names:
@@ -197,7 +202,7 @@ def markdown(res: dict) -> str:
         tail = f"{pooled['delta']:+.3f} | {pooled['p']:.4f} | {pooled['n']}" if pooled else "- | - | -"
         lines.append(f"| {c['a']} | {c['b']} | {c['metric']} | {per} | {tail} |")
     lines += ["", "Stage wall times (seconds; MLflow run start to end):", "",
-              "| Stage | " + " | ".join(f"seed {s.get('seed', i)}" for i, s in enumerate(seeds)) + " |", "|---|" + "---:|" * len(seeds)]
+              "| Stage | " + " | ".join(f"seed {_seed_label(s, i)}" for i, s in enumerate(seeds)) + " |", "|---|" + "---:|" * len(seeds)]
     for st in STAGES:
         lines.append(f"| {st} | " + " | ".join(str(s["stage_seconds"].get(st, "-")) for s in seeds) + " |")
     lines.append("| **pipeline (wall)** | " + " | ".join("-" if s["wall_seconds"] is None else str(s["wall_seconds"]) for s in seeds) + " |")

@@ -56,6 +56,9 @@ def test_archives_pool_over_seeds_and_keep_each_seeds_test(tmp_path, archive_dir
     assert c["pooled"]["seeds"] == [0, 1]
     assert all("per_query" not in s for s in res["seeds"])  # the summary json stays small
     assert "| retromae | mlm | ndcg_at_10 | +0.300 (0.0625); +0.400 (0.0625) | +0.350 |" in small_seeds.markdown(res)
+    # workspaces record no seed: their position names them, in the pooled test and the tables
+    res = small_seeds.collect([ws0, ws1])
+    assert res["comparisons"][0]["pooled"]["seeds"] == [0, 1] and "| Stage | seed 0 | seed 1 |" in small_seeds.markdown(res)
 
 
 def test_a_summary_without_per_query_scores_stays_out_of_the_pooled_test(tmp_path, archive_dir):
