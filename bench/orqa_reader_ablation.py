@@ -6,10 +6,11 @@ compared with. Each variant runs the finetune stage's reader half (`finetune_rea
 own-paragraph phase, then one reader per `finetune.qa_systems` entry over its own retrieval) and
 the evaluate stage's open-QA half (`qa_rows`), in the workspace, exactly as the pipeline runs them.
 
-    # a workspace with the pre-trained models, dev split (the test split is never read here):
-    git clone -q . /tmp/orqa && cd /tmp/orqa && make setup
+    # a workspace with the pre-trained models, dev split (the test split is never read here),
+    # beside the checkout so that the small preset finds ../shared/data:
+    git clone -q . ../orqa && cd ../orqa && make setup
     .venv/bin/python -m flows.pipeline --preset small --set evaluate.split=dev --upto pretrain_realm
-    cd - && .venv/bin/python -m bench.orqa_reader_ablation --workspace /tmp/orqa \
+    cd - && .venv/bin/python -m bench.orqa_reader_ablation --workspace ../orqa \
         --variant linear+per_block: --variant mlp+joint:finetune.span_scorer=mlp,finetune.span_softmax=joint
 
 Each finished variant is kept in `--cache` (default <workspace>/bench_orqa_readers/<name>.result.json,
@@ -42,7 +43,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from components.io import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
+
 OUT = ROOT / "bench" / "results" / "orqa_readers.json"
+SPLIT = "dev"  # settings are chosen on dev: this script never reads the test split
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -59,7 +63,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, overrides
 
 
-def run_variant(name: str, overrides: dict, systems: list[str], split: str, scratch: Path) -> dict:
+def run_variant(name: str, overrides: dict, systems: list[str], scratch: Path) -> dict:
     """Fine-tune and evaluate the readers of one variant in the current directory (the workspace)."""
     from components.config import load_params
     from components.data.tokenize import load_tokenizer
@@ -68,7 +72,7 @@ def run_variant(name: str, overrides: dict, systems: list[str], split: str, scra
     from components.stages.evaluate import eval_sets, qa_rows
     from components.stages.finetune import finetune_readers
 
-    params = load_params("params.yaml", overrides={**overrides, "finetune.qa_systems": systems, "evaluate.split": split})
+    params = load_params("params.yaml", overrides={**overrides, "finetune.qa_systems": systems, "evaluate.split": SPLIT})
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
     shutil.rmtree(FINETUNE_OPEN_QA, ignore_errors=True)  # no reader of an earlier variant is evaluated
     t0 = time.perf_counter()
@@ -101,10 +105,7 @@ def cached_variant(cache: Path, name: str, overrides: dict, run) -> dict:
         raise SystemExit(f"{path} holds variant {name} with overrides {v['overrides']}, not {overrides}: "
                          "name the variant differently, or delete the file to run it again")
     v = run()
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(v))
-    tmp.replace(path)
+    write_json_atomic(path, v)
     return v
 
 
@@ -130,7 +131,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workspace", required=True, type=Path, help="a checkout with data/ and the pre-trained models/")
     ap.add_argument("--variant", action="append", required=True, metavar="NAME:KEY=VALUE,...")
     ap.add_argument("--systems", nargs="+", default=["closed-book", "bm25", "realm"])
-    ap.add_argument("--split", default="dev", choices=["dev"], help="settings are chosen on dev; this script never reads test")
     ap.add_argument("--cache", type=Path, help="finished variants (default: <workspace>/bench_orqa_readers)")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
@@ -143,17 +143,16 @@ def main(argv: list[str] | None = None) -> dict:
         for name, overrides in specs:
             print(f"[orqa_readers] variant {name} {overrides}", flush=True)
             v = cached_variant(cache, name, overrides,
-                               lambda: run_variant(name, overrides, a.systems, a.split, cache / "per_query"))
+                               lambda: run_variant(name, overrides, a.systems, cache / "per_query"))
             print(f"[orqa_readers] {name}: {json.dumps(v['rows'])} train {v['train_s']}s eval {v['eval_s']}s", flush=True)
             variants.append(v)
         realm_params = yaml.safe_load(Path("params.yaml").read_text())["realm"]
-    res = {"commit": _commit(), "split": a.split, "cpus": os.cpu_count(), "workspace_realm_params": realm_params,
+    res = {"commit": _commit(), "split": SPLIT, "cpus": os.cpu_count(), "workspace_realm_params": realm_params,
            "variants": [{k: v for k, v in x.items() if k != "per_query"} for x in variants],
            "comparisons": compare(variants)}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2))
-    with gzip.open(a.out.with_name(a.out.stem + "_per_query.json.gz"), "wt") as f:
-        json.dump({x["name"]: x["per_query"] for x in variants}, f)
+    write_text_atomic(a.out, json.dumps(res, indent=2))
+    write_bytes_atomic(a.out.with_name(a.out.stem + "_per_query.json.gz"),
+                       gzip.compress(json.dumps({x["name"]: x["per_query"] for x in variants}).encode()))
     for c in res["comparisons"]:
         print(f"{c['a']} - {c['b']}  {c['system']:<16} {c['metric']}: {c['delta']:+.4f} (p {c['p']:.4f}, n {c['n']})")
     return res
