@@ -6,8 +6,8 @@ compared with. Each variant runs the finetune stage's reader half (`finetune_rea
 own-paragraph phase, then one reader per `finetune.qa_systems` entry over its own retrieval) and
 the evaluate stage's open-QA half (`qa_rows`), in the workspace, exactly as the pipeline runs them.
 
-    # a workspace with the pre-trained models, dev split (the test split is never read here),
-    # beside the checkout so that the small preset finds ../shared/data:
+    # a workspace with the pre-trained models, dev split (the test split is never read here);
+    # the small preset's corpus ships in the clone (corpora/squad-v1.1-dev-a0-11):
     git clone -q . ../orqa && cd ../orqa && make setup
     .venv/bin/python -m flows.pipeline --preset small --set evaluate.split=dev --upto pretrain_realm
     cd - && .venv/bin/python -m bench.orqa_reader_ablation --workspace ../orqa \

@@ -57,10 +57,7 @@ def run_seed(seed: int, split: str, workdir: Path) -> Path:
         return dest
     subprocess.run(["rm", "-rf", str(dest)], check=True)
     subprocess.run(["git", "clone", "-q", str(ROOT), str(dest)], check=True)
-    os.symlink(ROOT / ".venv", dest / ".venv")
-    shared = ROOT.parent / "shared"
-    if shared.exists() and not (dest.parent / "shared").exists():
-        os.symlink(shared, dest.parent / "shared")  # params/small.yaml reads ../shared/data
+    os.symlink(ROOT / ".venv", dest / ".venv")  # the small preset's corpus ships in the clone (corpora/)
     cmd = [".venv/bin/python", "-m", "flows.pipeline", "--preset", "small", "--set", f"compute.seed={seed}",
            "--set", f"evaluate.split={split}"]
     t0 = time.time()

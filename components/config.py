@@ -218,7 +218,11 @@ class DataParams(_Section):
     format: Literal["auto", "txt", "jsonl", "beir"] = Field(description="file format under an s3:// prefix")
     txt_mode: Literal["line", "paragraph"]
     jsonl_fields: JsonlFields
-    hf_split: str
+    hf_split: str = Field(description="the split of an HF dataset (source: hf), e.g. train or validation")
+    hf_format: Literal["auto", "text", "squad"] = Field(
+        description="source: hf. text: passages from the data.jsonl_fields columns; squad: a SQuAD-schema dataset "
+        "(id, title, context, question, answers) as paragraphs + questions + qrels + QA, the records the BEIR loader "
+        "gives for corpora/squad-v1.1-dev-a0-11; auto: squad when the dataset has those columns, else text")
     s3_endpoint_url: str | None = Field(description="None: $AWS_ENDPOINT_URL / boto3 default")
     on_error: Literal["raise", "skip"]
     min_chars: int = Field(ge=1)

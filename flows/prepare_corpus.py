@@ -38,7 +38,7 @@ def _metrics(card: dict) -> dict:
 
 def _report(card: dict) -> str:
     return (f"prepare_corpus: {card['passages']} passages ({card['dedupe']['duplicates_dropped']} duplicates dropped, "
-            f"{card['read']['skipped']} bad lines skipped), queries {card['queries']}")
+            f"{card['read']['skipped']} bad lines skipped, {card['dropped_empty']} empty dropped), queries {card['queries']}")
 
 
 @flow(name="prepare_corpus", log_prints=True)

@@ -148,7 +148,7 @@ def test_dedupe_counts_and_keeps_first():
           {"doc_id": "c", "title": "", "text": "  ", "spans": []}]
     out, stats = normalize_and_dedupe(ps)
     assert [p["doc_id"] for p in out] == ["a", "d"]  # ids are kept as the readers gave them
-    assert stats == {"input": 4, "duplicates_dropped": 1, "too_short_dropped": 1, "output": 2}
+    assert stats == {"input": 4, "empty_dropped": 1, "too_short_dropped": 0, "duplicates_dropped": 1, "output": 2}
 
 
 # --------------------------------------------------------------------------------------------

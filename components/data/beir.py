@@ -6,6 +6,10 @@ BEIR layout (https://github.com/beir-cellar/beir):
     qrels/<split>.tsv   header `query-id<TAB>corpus-id<TAB>score`, then one int judgement per row
 qa.jsonl (open QA):     {"question": str, "answers": [str, ...], "id"?: str, "positive_ctx"?: doc_id}
 
+Any of these files may be gzip-compressed (`corpus.jsonl.gz`, `qrels/test.tsv.gz`, ...): the readers
+detect gzip by its magic bytes and read it exactly as the plain file (`components.data.textfile`).
+A folder holding both `x` and `x.gz` is refused, naming both.
+
 Every bad input raises `DataError` naming the file, the line and a fix. With `on_error="skip"`
 the bad line is skipped and *counted*: its message is appended to the caller's `skipped` list
 (pass one; `load_beir` does and returns the count), and a warning with the count is logged,
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping
 
 from components.data.errors import DataError
+from components.data.textfile import iter_raw_lines, plain_name, plain_stem, resolve_member
 from components.io import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -38,7 +43,7 @@ ON_ERROR = ("raise", "skip")
 # line-level plumbing: every problem becomes a DataError that names file + line
 # ----------------------------------------------------------------------------------------------
 class _Lines:
-    """Iterate the non-blank lines of a UTF-8 file as (line_number, text), raising or skipping bad ones."""
+    """Iterate the non-blank lines of a UTF-8 file (gzip or not) as (line_number, text), raising or skipping bad ones."""
 
     def __init__(self, path: str | os.PathLike, on_error: str, skipped: list[str] | None, what: str):
         if on_error not in ON_ERROR:
@@ -67,18 +72,18 @@ class _Lines:
             log.warning("%s: skipped %d bad line(s) (on_error=skip)", self.path, self.n_skipped)
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
-        with open(self.path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                try:
-                    # utf-8-sig on line 1 drops a BOM that Windows editors add.
-                    text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    self.fail(lineno, f"not valid UTF-8 (byte {e.start} of the line)",
-                              "re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in > out`")
-                    continue
-                text = text.rstrip("\r\n")
-                if text.strip():  # blank lines (e.g. a trailing one) carry no record
-                    yield lineno, text
+        # gzip is decompressed and a UTF-16/32 file refused whole by iter_raw_lines
+        for lineno, raw in iter_raw_lines(self.path):
+            try:
+                # utf-8-sig on line 1 drops a BOM that Windows editors add.
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                self.fail(lineno, f"not valid UTF-8 (byte {e.start} of the line)",
+                          "re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in > out`")
+                continue
+            text = text.rstrip("\r\n")
+            if text.strip():  # blank lines (e.g. a trailing one) carry no record
+                yield lineno, text
 
     def json_objects(self) -> Iterator[tuple[int, dict]]:
         for lineno, text in self:
@@ -269,7 +274,7 @@ def read_qa(
         if fields is None:
             continue
         question, answers, qa_id, pos, split = fields
-        qa_id = qa_id if qa_id is not None else f"{lines.path.stem}-{lineno}"
+        qa_id = qa_id if qa_id is not None else f"{plain_stem(lines.path)}-{lineno}"  # qa.jsonl.gz: the same ids
         if not _check_id(lines, lineno, "id", qa_id, first_line):
             continue
         if not question.strip():
@@ -307,19 +312,29 @@ class BeirData:
         return len(self.skipped)
 
 
+def qrels_files(folder: str | os.PathLike) -> dict[str, Path]:
+    """{split: file} for `qrels/<split>.tsv` and `qrels/<split>.tsv.gz`, by split name; a split in
+    both forms is refused (resolve_member names both)."""
+    qdir = Path(folder) / "qrels"
+    if not qdir.is_dir():
+        return {}
+    names = sorted({plain_name(f) for f in qdir.iterdir() if plain_name(f).endswith(".tsv")})
+    return {Path(n).stem: resolve_member(qdir, n) for n in names}
+
+
 def load_beir(folder: str | os.PathLike, split: str = "test", *, on_error: str = "raise") -> BeirData:
-    """Read corpus.jsonl, queries.jsonl and qrels/<split>.tsv from a BEIR folder, cross-checked."""
+    """Read corpus.jsonl, queries.jsonl and qrels/<split>.tsv (each plain or .gz) from a BEIR folder, cross-checked."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(folder, "BEIR folder not found", fix="point the eval set's beir_path at a folder holding corpus.jsonl")
-    qrels_path = folder / "qrels" / f"{split}.tsv"
-    if not qrels_path.exists():
-        have = sorted(p.stem for p in (folder / "qrels").glob("*.tsv")) if (folder / "qrels").is_dir() else []
-        raise DataError(qrels_path, f"no qrels for split {split!r} (splits present: {have})",
+    splits = qrels_files(folder)
+    if split not in splits:
+        raise DataError(folder / "qrels" / f"{split}.tsv", f"no qrels for split {split!r} (splits present: {sorted(splits)})",
                         fix="pick one of the present splits, or write qrels/<split>.tsv")
+    qrels_path = splits[split]
     skipped: list[str] = []
-    corpus = read_corpus(folder / "corpus.jsonl", on_error=on_error, skipped=skipped)
-    queries = read_queries(folder / "queries.jsonl", on_error=on_error, skipped=skipped)
+    corpus = read_corpus(resolve_member(folder, "corpus.jsonl"), on_error=on_error, skipped=skipped)
+    queries = read_queries(resolve_member(folder, "queries.jsonl"), on_error=on_error, skipped=skipped)
     qrels = read_qrels(qrels_path, known_queries=queries, known_docs=corpus, on_error=on_error, skipped=skipped)
     return BeirData(corpus, {q: queries[q] for q in qrels}, qrels, skipped)
 

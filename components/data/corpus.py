@@ -8,6 +8,10 @@ Corpus ids are the identity of everything downstream (qrels, indexes, eval rows)
 record under an id already read is bad input: it stops the stage naming both lines, and in skip
 mode the later record is skipped and counted. A UTF-8 BOM at the start of a file is stripped.
 
+Every file source reads gzip transparently (`c.jsonl.gz` loads exactly as `c.jsonl`, ids included)
+and refuses a UTF-16/UTF-32 file naming its encoding (`components.data.textfile`). Passages whose
+text is empty or whitespace-only are dropped by `normalize_and_dedupe` and counted (`empty_dropped`).
+
     python -m flows.prepare_corpus            # the stage, as dvc.yaml runs it
 """
 
@@ -19,10 +23,14 @@ import tempfile
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from components.config import DataParams
 from components.data.errors import DataError
+from components.data.textfile import iter_raw_lines, plain_name, plain_stem, plain_suffix, resolve_member
+
+if TYPE_CHECKING:
+    import datasets
 
 Passage = dict  # {doc_id: str, title: str, text: str, spans: list[{start, end, label}]}, + `_at` from a file reader
 
@@ -32,7 +40,6 @@ class ReadReport:
     files: list[str] = field(default_factory=list)
     records_read: int = 0
     skipped: list[str] = field(default_factory=list)  # "file:line: problem", one per skipped record
-    empty_dropped: int = 0
 
     def skip(self, err: DataError) -> None:
         self.skipped.append(str(err))
@@ -43,7 +50,6 @@ class ReadReport:
             "records_read": self.records_read,
             "skipped": len(self.skipped),
             "skipped_examples": self.skipped[:20],
-            "empty_dropped": self.empty_dropped,
         }
 
 
@@ -60,21 +66,23 @@ def _require_file(path: Path) -> None:
 
 
 def iter_lines(path: Path, report: ReadReport, on_error: str) -> Iterator[tuple[int, str]]:
-    """(line_number, text) for each line, decoding UTF-8 per line so an error names its line."""
+    """(line_number, text) for each line, decoding UTF-8 per line so an error names its line.
+
+    gzip is decompressed and a UTF-16/32 file refused whole (at line 1) by `iter_raw_lines`.
+    """
     _require_file(path)
     report.files.append(str(path))
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                # utf-8-sig on line 1 drops the BOM that Windows editors write at the start of a file
-                yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as e:
-                err = DataError(path, f"not valid UTF-8 at byte {e.start} of the line", line=lineno,
-                                fix="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or set data.on_error: skip")
-                if on_error == "skip":
-                    report.skip(err)
-                    continue
-                raise err from None
+    for lineno, raw in iter_raw_lines(path):
+        try:
+            # utf-8-sig on line 1 drops the BOM that Windows editors write at the start of a file
+            yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            err = DataError(path, f"not valid UTF-8 at byte {e.start} of the line", line=lineno,
+                            fix="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or set data.on_error: skip")
+            if on_error == "skip":
+                report.skip(err)
+                continue
+            raise err from None
 
 
 def normalize_text(text: str) -> str:
@@ -111,13 +119,14 @@ def drop_duplicate_ids(passages: list[Passage], report: ReadReport, on_error: st
 def read_txt(path: str | Path, mode: str = "paragraph", on_error: str = "raise") -> tuple[list[Passage], ReadReport]:
     """`line`: one passage per non-empty line. `paragraph`: passages separated by blank lines."""
     path, report = Path(path), ReadReport()
+    stem = plain_stem(path)  # c.txt.gz gives the ids c.txt gives
     out: list[Passage] = []
     buf: list[str] = []
     start = 0
 
     def flush() -> None:
         if buf:
-            out.append({"doc_id": f"{path.stem}-{start}", "title": "", "text": " ".join(buf), "spans": [], "_at": (str(path), start)})
+            out.append({"doc_id": f"{stem}-{start}", "title": "", "text": " ".join(buf), "spans": [], "_at": (str(path), start)})
             buf.clear()
 
     for lineno, line in iter_lines(path, report, on_error):
@@ -125,7 +134,7 @@ def read_txt(path: str | Path, mode: str = "paragraph", on_error: str = "raise")
             flush()
             continue
         if mode == "line":
-            out.append({"doc_id": f"{path.stem}-{lineno}", "title": "", "text": line, "spans": [], "_at": (str(path), lineno)})
+            out.append({"doc_id": f"{stem}-{lineno}", "title": "", "text": line, "spans": [], "_at": (str(path), lineno)})
             continue
         if not buf:
             start = lineno
@@ -173,7 +182,7 @@ def read_jsonl(path: str | Path, text_field: str = "text", title_field: str | No
         doc_id = rec.get(id_field) if id_field else None
         title = rec.get(title_field) if title_field else None
         out.append({
-            "doc_id": str(doc_id) if doc_id is not None else f"{path.stem}-{lineno}",
+            "doc_id": str(doc_id) if doc_id is not None else f"{plain_stem(path)}-{lineno}",  # c.jsonl.gz: c.jsonl's ids
             "title": title if isinstance(title, str) else "",
             "text": text,
             "spans": [],
@@ -182,20 +191,25 @@ def read_jsonl(path: str | Path, text_field: str = "text", title_field: str | No
     return drop_duplicate_ids(out, report, on_error), report
 
 
-def read_hf(name_or_path: str, split: str, text_field: str, title_field: str | None, id_field: str | None,
-            on_error: str = "raise") -> tuple[list[Passage], ReadReport]:
-    """A `save_to_disk` folder (offline) or a hub dataset name (needs network)."""
+def load_hf_dataset(name_or_path: str, split: str) -> datasets.Dataset:
+    """One split of a `save_to_disk` folder (offline; a Dataset or a DatasetDict) or of a hub dataset (needs network)."""
     import datasets
 
+    if not Path(name_or_path).exists():
+        return datasets.load_dataset(name_or_path, split=split)
+    ds = datasets.load_from_disk(name_or_path)
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(name_or_path, f"split {split!r} not in {list(ds)}", fix="set data.hf_split")
+        ds = ds[split]
+    return ds
+
+
+def read_hf(name_or_path: str, split: str, text_field: str, title_field: str | None, id_field: str | None,
+            on_error: str = "raise", ds: datasets.Dataset | None = None) -> tuple[list[Passage], ReadReport]:
+    """Passages from one text column of an HF dataset (`ds`, else loaded by `load_hf_dataset`)."""
     report = ReadReport(files=[name_or_path])
-    if Path(name_or_path).exists():
-        ds = datasets.load_from_disk(name_or_path)
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise DataError(name_or_path, f"split {split!r} not in {list(ds)}", fix="set data.hf_split")
-            ds = ds[split]
-    else:
-        ds = datasets.load_dataset(name_or_path, split=split)
+    ds = load_hf_dataset(name_or_path, split) if ds is None else ds
     if text_field not in ds.column_names:
         raise DataError(name_or_path, f"no column {text_field!r} (columns: {ds.column_names})", fix="set data.jsonl_fields.text")
     out = []
@@ -210,11 +224,49 @@ def read_hf(name_or_path: str, split: str, text_field: str, title_field: str | N
     return drop_duplicate_ids(out, report, on_error, unit="row"), report
 
 
+def read_hf_squad(name_or_path: str, ds: datasets.Dataset, on_error: str = "raise") -> SourceData:
+    """A SQuAD-schema dataset as the records the BEIR loader gives for the shipped corpus folder:
+    paragraphs as passages, questions as queries judged against their paragraph, and QA records."""
+    from components.data.squad import squad_to_beir
+
+    report = ReadReport(files=[name_or_path])
+    conv = squad_to_beir(ds, where=name_or_path, on_error=on_error, skipped=report.skipped)
+    qrels: dict[str, dict[str, int]] = {}
+    for qid, doc, rel in conv.qrels:
+        qrels.setdefault(qid, {})[doc] = rel
+    qa = [{k: r[k] for k in ("id", "question", "answers", "positive_ctx")} for r in conv.qa]
+    return beir_source_data({d["_id"]: {"title": d["title"], "text": d["text"]} for d in conv.corpus},
+                            {q["_id"]: q["text"] for q in conv.queries}, {"hf": qrels}, qa, report)
+
+
+def _hf_format(p: DataParams, columns: list[str]) -> str:
+    """`data.hf_format`, with auto resolved by the dataset's columns."""
+    from components.data.squad import SQUAD_COLUMNS, is_squad_schema
+
+    if p.hf_format == "auto":
+        return "squad" if is_squad_schema(columns) else "text"
+    if p.hf_format == "squad" and not is_squad_schema(columns):
+        raise DataError(p.path, f"data.hf_format is squad but the dataset lacks SQuAD's columns {sorted(set(SQUAD_COLUMNS) - set(columns))} "
+                        f"(columns: {columns})", fix="set data.hf_format: text (and data.jsonl_fields.text), or give a SQuAD-schema dataset")
+    return p.hf_format
+
+
+def _load_hf(p: DataParams) -> SourceData:
+    ds = load_hf_dataset(p.path, p.hf_split)
+    if _hf_format(p, list(ds.column_names)) == "squad":
+        return read_hf_squad(p.path, ds, p.on_error)
+    f = p.jsonl_fields
+    return SourceData(*read_hf(p.path, p.hf_split, f.text, f.title, f.id, p.on_error, ds=ds))
+
+
 # ----------------------------------------------------------------------------------------------
 # normalise + de-duplicate
 # ----------------------------------------------------------------------------------------------
 def normalize_and_dedupe(passages: list[Passage], min_chars: int = 1) -> tuple[list[Passage], dict]:
-    """Normalise text, drop too-short passages, drop exact duplicates (by text hash); keep the first.
+    """Normalise text, drop empty and too-short passages, drop exact duplicates (by text hash); keep the first.
+
+    Empty (or whitespace-only) passages are counted apart from the merely short ones: an empty
+    record is usually a reader or export problem worth seeing in the data card, a short one a choice.
 
     Ids are unique already (every reader refuses or skips a repeated id), so a passage keeps its id.
     Marked spans are kept only when normalisation leaves the text unchanged (offsets stay valid);
@@ -222,9 +274,12 @@ def normalize_and_dedupe(passages: list[Passage], min_chars: int = 1) -> tuple[l
     """
     seen: dict[str, str] = {}
     out: list[Passage] = []
-    stats = {"input": len(passages), "duplicates_dropped": 0, "too_short_dropped": 0}
+    stats = {"input": len(passages), "empty_dropped": 0, "too_short_dropped": 0, "duplicates_dropped": 0}
     for p in passages:
         text = normalize_text(p["text"])
+        if not text:
+            stats["empty_dropped"] += 1
+            continue
         if len(text) < min_chars:
             stats["too_short_dropped"] += 1
             continue
@@ -257,7 +312,7 @@ class SourceData:
 
 def _read_file_by_suffix(path: Path, p: DataParams) -> tuple[list[Passage], ReadReport]:
     f = p.jsonl_fields
-    if path.suffix in (".jsonl", ".json"):
+    if plain_suffix(path) in (".jsonl", ".json"):  # c.jsonl.gz is JSON Lines too
         return read_jsonl(path, f.text, f.title, f.id, p.on_error)
     return read_txt(path, p.txt_mode, p.on_error)
 
@@ -280,8 +335,7 @@ def load_source(p: DataParams) -> SourceData:
     if p.source == "beir":
         return read_beir_source(Path(p.path), p.on_error)
     if p.source == "hf":
-        f = p.jsonl_fields
-        return SourceData(*read_hf(p.path, p.hf_split, f.text, f.title, f.id, p.on_error))
+        return _load_hf(p)
     if p.source == "s3":
         return _load_s3(p)
     raise DataError("params.yaml", f"unknown data.source {p.source!r}")  # unreachable: validated
@@ -312,10 +366,10 @@ def _load_s3(p: DataParams) -> SourceData:
 
 def _read_s3_files(p: DataParams, files: list[Path]) -> SourceData:
     fmt = p.format
-    if fmt == "auto" and any(f.name == "corpus.jsonl" for f in files):
+    if fmt == "auto" and any(plain_name(f) == "corpus.jsonl" for f in files):
         fmt = "beir"
     if fmt == "beir":
-        root = next(f for f in files if f.name == "corpus.jsonl").parent
+        root = next(f for f in files if plain_name(f) == "corpus.jsonl").parent
         return read_beir_source(root, p.on_error)
     passages, report = [], ReadReport()
     for f in files:
@@ -331,28 +385,40 @@ def _read_s3_files(p: DataParams, files: list[Path]) -> SourceData:
     return SourceData(drop_duplicate_ids(passages, report, p.on_error), report)
 
 
+def beir_source_data(corpus: dict[str, dict[str, str]], queries: dict[str, str],
+                     qrels_by_split: dict[str, dict[str, dict[str, int]]], qa: list[dict], report: ReadReport) -> SourceData:
+    """Validated BEIR records -> SourceData. One qrels split leaves questions unsplit (prepare_corpus
+    splits them by data.split); several keep a train/dev/test file's own split. Shared by the BEIR
+    folder and the SQuAD-schema HF reader, so the two give the same records."""
+    passages = [{"doc_id": d, "title": r["title"], "text": r["text"], "spans": []} for d, r in corpus.items()]
+    report.records_read = len(passages)
+    data = SourceData(passages, report, qa=qa)
+    for split, qrels in qrels_by_split.items():
+        for qid, rels in qrels.items():
+            data.qrels.setdefault(qid, {}).update(rels)
+            if split in ("train", "dev", "test") and len(qrels_by_split) > 1:
+                data.qrels_split[qid] = split
+    data.queries = [{"qid": qid, "text": text, "split": data.qrels_split.get(qid)} for qid, text in queries.items() if qid in data.qrels]
+    return data
+
+
 def read_beir_source(root: Path, on_error: str = "raise") -> SourceData:
-    """A BEIR folder: corpus.jsonl (+ queries.jsonl, qrels/*.tsv, and an optional qa.jsonl)."""
+    """A BEIR folder: corpus.jsonl (+ queries.jsonl, qrels/*.tsv, and an optional qa.jsonl), each plain or .gz."""
     from components.data import beir
 
     if not root.is_dir():
         raise DataError(root, "BEIR folder not found", fix="set data.path to a folder holding corpus.jsonl")
     report = ReadReport(files=[str(root)])
-    corpus = beir.read_corpus(root / "corpus.jsonl", on_error=on_error, skipped=report.skipped)
-    passages = [{"doc_id": d, "title": r["title"], "text": r["text"], "spans": []} for d, r in corpus.items()]
-    report.records_read = len(passages)
-    data = SourceData(passages, report)
+    corpus = beir.read_corpus(resolve_member(root, "corpus.jsonl"), on_error=on_error, skipped=report.skipped)
     doc_ids = set(corpus)
-    if (root / "queries.jsonl").exists():
-        queries = beir.read_queries(root / "queries.jsonl", on_error=on_error, skipped=report.skipped)
-        split_files = sorted((root / "qrels").glob("*.tsv")) if (root / "qrels").is_dir() else []
-        for f in split_files:
-            qrels = beir.read_qrels(f, known_queries=set(queries), known_docs=doc_ids, on_error=on_error, skipped=report.skipped)
-            for qid, rels in qrels.items():
-                data.qrels.setdefault(qid, {}).update(rels)
-                if f.stem in ("train", "dev", "test") and len(split_files) > 1:
-                    data.qrels_split[qid] = f.stem
-        data.queries = [{"qid": qid, "text": text, "split": data.qrels_split.get(qid)} for qid, text in queries.items() if qid in data.qrels]
-    if (root / "qa.jsonl").exists():
-        data.qa = beir.read_qa(root / "qa.jsonl", known_docs=doc_ids, on_error=on_error, skipped=report.skipped)
-    return data
+    queries: dict[str, str] = {}
+    qrels_by_split: dict[str, dict[str, dict[str, int]]] = {}
+    queries_file = resolve_member(root, "queries.jsonl")
+    if queries_file.exists():
+        queries = beir.read_queries(queries_file, on_error=on_error, skipped=report.skipped)
+        for split, f in beir.qrels_files(root).items():
+            qrels_by_split[split] = beir.read_qrels(f, known_queries=set(queries), known_docs=doc_ids,
+                                                    on_error=on_error, skipped=report.skipped)
+    qa_file = resolve_member(root, "qa.jsonl")
+    qa = beir.read_qa(qa_file, known_docs=doc_ids, on_error=on_error, skipped=report.skipped) if qa_file.exists() else []
+    return beir_source_data(corpus, queries, qrels_by_split, qa, report)

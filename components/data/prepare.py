@@ -6,7 +6,7 @@ Output (one folder, swapped in atomically):
     beir/queries.jsonl          questions, when the source has them
     beir/qrels/{split}.tsv      question -> gold passage, per split (train/dev/test)
     qa/{split}.jsonl            id, question, answers, positive_ctx (open-QA data)
-    data_card.json              counts, dedupe report, skipped lines, length histogram, digest
+    data_card.json              counts, dedupe report, skipped lines, dropped empty passages, length histogram, digest
 """
 
 from __future__ import annotations
@@ -106,6 +106,9 @@ def prepare_corpus(p: DataParams, out_dir: str | Path) -> dict:
             "path": p.path,
             "read": src.report.as_dict(),
             "dedupe": dedupe,
+            # passages whose text was empty or whitespace-only (also dedupe.empty_dropped): named at the
+            # top level because a count above 0 usually means a wrong data.jsonl_fields.text or a bad export
+            "dropped_empty": dedupe["empty_dropped"],
             "passages": len(passages),
             "passages_with_spans": sum(1 for d in passages if d["spans"]),
             "queries": {s: sum(1 for q in src.queries if splits.get(q["qid"]) == s) for s in SPLITS},
