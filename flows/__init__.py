@@ -1,6 +1,9 @@
 """Thin Prefect flows, one per pipeline stage, plus the pipeline flow. Business logic lives in components/."""
 
 import os
+import sys
+import tomllib
+from pathlib import Path
 
 # Offline-friendly defaults (users may override them in their environment):
 # no telemetry calls from a local Prefect server or from transformers.
@@ -10,3 +13,62 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+# A stage run by `dvc repro` without PREFECT_API_URL starts Prefect's ephemeral API in a subprocess
+# (~12 s on 2 idle cores) and gives up after this setting, 20 s by Prefect's default: too short on a
+# busy machine. Set before Prefect is imported (it reads its settings then). A value of the user's,
+# in the environment or in the active Prefect profile (`prefect config set`), is kept.
+EPHEMERAL_STARTUP_TIMEOUT = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+EPHEMERAL_STARTUP_TIMEOUT_DEFAULT = 120
+
+
+def _prefect_profile_sets(name: str) -> bool:
+    """Whether the active profile in Prefect's profiles.toml sets `name`."""
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
+    try:
+        profiles = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    active = os.environ.get("PREFECT_PROFILE") or profiles.get("active") or "ephemeral"
+    return name in profiles.get("profiles", {}).get(active, {})
+
+
+if not _prefect_profile_sets(EPHEMERAL_STARTUP_TIMEOUT):
+    os.environ.setdefault(EPHEMERAL_STARTUP_TIMEOUT, str(EPHEMERAL_STARTUP_TIMEOUT_DEFAULT))
+
+
+def ephemeral_timeout_hint(exc: BaseException) -> str | None:
+    """What to do about Prefect's "Timed out while attempting to connect to ephemeral Prefect API
+    server" anywhere in `exc`'s chain: the setting to raise and its value. None for other errors."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and "connect to ephemeral Prefect API server" in str(exc):
+            break
+        exc = exc.__cause__ or exc.__context__
+    else:
+        return None
+    try:
+        from prefect.settings import get_current_settings
+
+        value = f"{get_current_settings().server.ephemeral.startup_timeout_seconds} s"
+    except Exception:  # noqa: BLE001 - a hint must not fail
+        value = os.environ.get(EPHEMERAL_STARTUP_TIMEOUT, "unknown")
+    if "exited with code" in str(exc):
+        return (f"retro-realm: the ephemeral Prefect API's process died (its output is above); a longer "
+                f"{EPHEMERAL_STARTUP_TIMEOUT} (now {value}) will not help.")
+    return (f"retro-realm: the ephemeral Prefect API did not answer within {EPHEMERAL_STARTUP_TIMEOUT} "
+            f"(now {value}), e.g. on a busy machine. Raise it (`export {EPHEMERAL_STARTUP_TIMEOUT}=600`), "
+            "or give the stages one API that is already up: PREFECT_API_URL (`make servers-up`; the "
+            "pipeline flow, `make run`, starts one for all its stages).")
+
+
+def _excepthook(exc_type, exc, tb, _previous=sys.excepthook):
+    """A stage process that dies of the ephemeral API's startup timeout says which knob to raise."""
+    if (hint := ephemeral_timeout_hint(exc)) and hint not in getattr(exc, "__notes__", ()):
+        exc.add_note(hint)
+    _previous(exc_type, exc, tb)
+
+
+sys.excepthook = _excepthook

@@ -123,6 +123,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tail(path: Path, chars: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=2) as r:
@@ -131,35 +138,68 @@ def _healthy(url: str) -> bool:
         return False
 
 
+# How long a server this project starts on the machine (the local Prefect API here; infra/servers.sh's
+# MLflow, Prefect and S3) may take to answer. ~12 s on 2 idle cores; the default holds under load.
+START_TIMEOUT = "RR_START_TIMEOUT"
+START_TIMEOUT_DEFAULT = 120.0
+
+
+def start_timeout() -> float:
+    """$RR_START_TIMEOUT in seconds, else the default."""
+    raw = os.environ.get(START_TIMEOUT, "").strip()
+    if not raw:
+        return START_TIMEOUT_DEFAULT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{START_TIMEOUT}={raw!r}: expected a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{START_TIMEOUT}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def prefect_server_command(port: int) -> list[str]:
+    """The local Prefect API's command line (tests swap it for one that never answers)."""
+    return [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-services"]
+
+
 @contextlib.contextmanager
-def local_prefect_api(home: str | os.PathLike = ".prefect", timeout: float = 90.0) -> Iterator[str | None]:
+def local_prefect_api(home: str | os.PathLike = ".prefect") -> Iterator[str | None]:
     """One local Prefect API for a whole pipeline run, shared by every stage process.
 
     Without PREFECT_API_URL each stage process would start its own ephemeral API (15-25 s each on
     2 cores). Here the pipeline starts `prefect server start` once (own process group, 127.0.0.1,
     free port, state in `.prefect/`), exports PREFECT_API_URL to its children, and stops it at the
     end. If PREFECT_API_URL is already set (a real server / work pool), it is used as is.
+    It may take $RR_START_TIMEOUT seconds (default 120) to answer; the error says so when it does not.
     """
     if os.environ.get("PREFECT_API_URL"):
         yield os.environ["PREFECT_API_URL"]
         return
+    timeout = start_timeout()
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_API_HOST": "127.0.0.1"}
-    logf = open(home / "server.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-services"],
-                            env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-    t0 = time.time()
+    server_log = home / "server.log"
+    logf = open(server_log, "ab")
+    proc = subprocess.Popen(prefect_server_command(port), env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.monotonic()
     try:
         while not _healthy(url):
-            if proc.poll() is not None or time.time() - t0 > timeout:
-                tail = (home / "server.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"local Prefect API did not start within {timeout:.0f}s (log {home/'server.log'}):\n{tail}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"the local Prefect API (`prefect server start`) exited with code {proc.returncode} "
+                                   f"before it answered; log {server_log}:\n{_tail(server_log)}")
+            if time.monotonic() - t0 > timeout:
+                knob = f"{START_TIMEOUT}={os.environ[START_TIMEOUT]}" if os.environ.get(START_TIMEOUT) else f"{START_TIMEOUT} unset"
+                raise RuntimeError(
+                    f"the local Prefect API did not answer at {url} within {timeout:g} s ({knob}). On a busy machine "
+                    f"raise {START_TIMEOUT} (e.g. `export {START_TIMEOUT}=600`), or point PREFECT_API_URL at a "
+                    f"running server (`make servers-up`). Log {server_log}:\n{_tail(server_log)}")
             time.sleep(0.3)
-        log.info("local Prefect API at %s (ready in %.1fs)", url, time.time() - t0)
+        log.info("local Prefect API at %s (ready in %.1fs)", url, time.monotonic() - t0)
         os.environ["PREFECT_API_URL"] = url
         os.environ["PREFECT_HOME"] = str(home)
         yield url

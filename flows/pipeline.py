@@ -125,19 +125,26 @@ def plan(target: str | None = None, upto: str | None = None, only: str | None = 
     return stages
 
 
-def _dvc(*args: str) -> tuple[int, list[str]]:
-    """Run `dvc ARGS` with this interpreter and stream its output into the Prefect log.
+def dvc_env() -> dict[str, str]:
+    """The environment of this flow's `dvc` processes: the stages run with this flow's interpreter.
 
-    A worker started as `.venv/bin/prefect worker start` need not have the venv on PATH: DVC runs
-    as `sys.executable -m dvc`, and the venv's bin/ goes first on PATH so that each stage's
-    `cmd: python -m flows.<stage>` runs with the same interpreter (and packages) as this flow.
+    A worker started as `.venv/bin/prefect worker start` need not have the venv on PATH or
+    activated. Each stage's `cmd: scripts/py -m <module>` runs `$RR_PYTHON` first (scripts/py), so
+    RR_PYTHON is set to this interpreter unless the user set it; the interpreter's bin/ also goes
+    first on PATH, for any tool a stage calls by name.
     """
-    logger = get_run_logger()
-    env = os.environ.copy()
+    env = {"RR_PYTHON": sys.executable, **os.environ}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _dvc(*args: str) -> tuple[int, list[str]]:
+    """Run `dvc ARGS` as `sys.executable -m dvc` (this interpreter's DVC, whatever PATH holds; see
+    `dvc_env` for the stages') and stream its output into the Prefect log."""
+    logger = get_run_logger()
     logger.info("$ dvc %s", " ".join(args))
     proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, env=env)
+                            text=True, bufsize=1, env=dvc_env())
     lines = []
     for line in proc.stdout:
         lines.append(line.rstrip())

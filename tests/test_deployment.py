@@ -79,7 +79,7 @@ def _stage_order() -> tuple[list[str], dict]:
 _DVC_SPEC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 # Stages whose cmd is a stage flow (an MLflow stage run, a Prefect flow run, a deployment), and the
 # always_changed ones DVC reruns every time (source_digest: a plain module, cheap).
-FLOW_STAGES = {s for s, d in _DVC_SPEC.items() if d["cmd"].startswith("python -m flows.")}
+FLOW_STAGES = {s for s, d in _DVC_SPEC.items() if d["cmd"].startswith("scripts/py -m flows.")}
 ALWAYS = {s for s, d in _DVC_SPEC.items() if d.get("always_changed")}
 
 

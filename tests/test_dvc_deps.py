@@ -2,7 +2,7 @@
 makes that stage (and what follows it) stale: `dvc repro` can never call a stage up to date after a
 change to code it ran.
 
-A stage's code is the import closure of its flow (`python -m flows.<stage>`) and of its stage body
+A stage's code is the import closure of its flow (`scripts/py -m flows.<stage>`) and of its stage body
 (`components/stages/<stage>.py`, which torchrun launches by module name, out of sight of the flow's
 imports). A dep names a file or a folder that covers it.
 """
@@ -52,7 +52,7 @@ def _only_docstring(path: Path) -> bool:
 
 def stage_roots(stage: str) -> list[str]:
     cmd = DVC[stage]["cmd"]
-    assert cmd.startswith("python -m "), f"dvc.yaml stage {stage}: expected `python -m <module>`, got {cmd!r}"
+    assert cmd.startswith("scripts/py -m "), f"dvc.yaml stage {stage}: expected `scripts/py -m <module>`, got {cmd!r}"
     roots = [cmd.split()[2]]
     if (ROOT / "components" / "stages" / f"{stage}.py").is_file():
         roots.append(f"components.stages.{stage}")
