@@ -78,6 +78,9 @@ class ComputeParams(_Section):
     num_threads: int = Field(ge=0, description="torch intra-op threads; 0 = torch default")
     seed: int = Field(ge=0)
     ddp_backend: Literal["auto", "gloo", "nccl"]
+    malloc_trim_every: int = Field(ge=0, description="under glibc's malloc (no allocator preloaded: scripts/py "
+                                   "preloads mimalloc), return its heap's free pages every N training steps, so RSS "
+                                   "stays flat under varying batch shapes; 0 = never (components/training/memory.py)")
 
 
 class TrackingParams(_Section):

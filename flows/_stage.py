@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Sequence
 
 from components.config import Params
 from components.tracking import ENV_PARENT, StageRun, is_server
+from components.training.memory import peak_rss_mb
 from flows._runtime import params_from_env, prefect_tags
 
 
@@ -173,7 +174,10 @@ def run_stage(stage: str, sections: list[str], body: Callable[[Params, StageRun]
             result = body(params, run)
         for d in filter(_present, outputs):
             run.log_dataset(d.path, name=d.name, context="output")
-        run.log_metrics_now(metrics(result), step=step(result) if step is not None else 0)
+        # every stage's peak host memory (a training stage's own, from its summary; torchrun's ranks
+        # are waited-for children of this process)
+        logged = {"peak_rss_mb": round(peak_rss_mb(children=True), 1), **metrics(result)}
+        run.log_metrics_now(logged, step=step(result) if step is not None else 0)
         wanted = models(params) if callable(models) else models
         if wanted:
             ids = log_models(run, [(m.path, m.name, m.flavor, m.task) for m in wanted])

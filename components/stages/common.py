@@ -13,6 +13,7 @@ from typing import Callable
 from components.config import Params, load_params
 from components.io import write_json_atomic
 from components.paths import CHECKPOINTS, CORPUS
+from components.training.memory import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,13 @@ class RankZeroLogger:
             self.run.log_metrics(metrics, step)
 
 
-def write_stage_metrics(path: str | os.PathLike, metrics: dict) -> None:
-    """The small JSON that `dvc metrics show` reads (declared `cache: false` in dvc.yaml)."""
-    write_json_atomic(path, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()})
+def write_stage_metrics(path: str | os.PathLike, metrics: dict) -> dict:
+    """The small JSON that `dvc metrics show` reads (declared `cache: false` in dvc.yaml): `metrics`
+    plus this process's `peak_rss_mb`, so a memory regression shows in `dvc metrics diff`. Returns
+    what it wrote, the summary the stage then returns (and MLflow logs)."""
+    out = {**metrics, "peak_rss_mb": round(peak_rss_mb(), 1)}
+    write_json_atomic(path, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()})
+    return out
 
 
 def torchrun_worker(stage: str, body: Callable[[Params, object], dict]) -> None:

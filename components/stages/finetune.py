@@ -254,7 +254,7 @@ def finetune(params: Params, run=None) -> dict:
     summary = {**finetune_retrievers(params, run, tokenizer), **finetune_readers(params, run, tokenizer)}
     if D.is_rank0():
         FINETUNE_OUT.mkdir(parents=True, exist_ok=True)
-        write_stage_metrics(stage_metrics("finetune"), summary)
+        summary = write_stage_metrics(stage_metrics("finetune"), summary)
     D.barrier()
     return summary
 

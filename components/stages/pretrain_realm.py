@@ -259,7 +259,7 @@ def train_realm(
         final_index.save(tmp / "index" / "final", extra_meta={"role": "final"})
         write_text_atomic(tmp / "model_card.md", _model_card(params, summary, info))
     write_text_atomic(plot_path, refresh.csv_text())
-    write_stage_metrics(metrics_path, summary)
+    summary = write_stage_metrics(metrics_path, summary)
     if run is not None and log_artifacts:  # the summary numbers are logged by the flow, as for every stage
         for sub in ("retriever", "knowledge_augmented_encoder"):
             run.log_artifact(out_dir / sub, artifact_path=sub)  # a large folder becomes a reference

@@ -139,7 +139,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
         write_text_atomic(out / "model_card.md", _model_card(stage, params, result,
                                                              "RetroMAE: masked auto-encoder with enhanced decoding." if stage == "pretrain_retromae"
                                                              else "Plain whole-word MLM baseline, same encoder, data and steps as RetroMAE."))
-        write_stage_metrics(stage_metrics(stage), summary)
+        summary = write_stage_metrics(stage_metrics(stage), summary)
     D.barrier()
     return summary
 

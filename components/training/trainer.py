@@ -55,6 +55,7 @@ from components.config import ComputeParams, TrainParams
 from components.progress import PROGRESS_EVERY_S, progress_line
 from components.training import checkpoint as ckpt
 from components.training import distributed as D
+from components.training import memory
 
 LogFn = Callable[[dict[str, float], int], Any]
 
@@ -401,6 +402,7 @@ class Trainer:
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.amp_dtype = AMP_DTYPES.get(self.precision)  # None: fp32
+        self.heap = memory.HeapTrimmer(compute.malloc_trim_every)
 
         self.step = 0
         self.bad_steps = 0
@@ -437,6 +439,7 @@ class Trainer:
             while self.step < self.train.max_steps:
                 self._train_step(batches)
                 self.step += 1
+                self.heap.after_step(self.step)
                 pbar.update(1)
                 if self.step % self.log_every == 0 or self.step == self.train.max_steps:
                     self._log()
@@ -606,6 +609,7 @@ class Trainer:
         metrics["samples_per_s"] = self._win_steps * self.train.batch_size / elapsed
         if self._have_tokens:
             metrics["tokens_per_s"] = vals[-1] / elapsed
+        metrics["rss_mb"] = memory.rss_mb()  # this rank's host memory: a leak shows as a rising curve
         self.last_metrics = metrics
         if self.log_fn is not None and self.is_rank0:
             self.log_fn(metrics, self.step)
