@@ -46,12 +46,14 @@ GOAL_PEAK_MB = 4096.0
 
 
 def step_overrides(preset: str, steps: int, realm_steps: int) -> list[str]:
-    """Every loop at `steps` (REALM's own training at `realm_steps`); one start and one open-QA system
-    stand for the fine-tunes (each runs the same loop)."""
+    """Every loop at `steps` (REALM's own training at `realm_steps`; 0: the preset's own counts); one
+    start and one open-QA system stand for the fine-tunes (each runs the same loop)."""
+    if not steps:
+        return ["tracking.log_every=1"]
     sets = [f"retromae.train.max_steps={steps}", f"realm.train.max_steps={realm_steps}",
             f"realm.reader_warmup_steps={steps}", f"finetune.train.max_steps={steps}",
             f"finetune.qa_train.max_steps={steps}", "finetune.retrieval_inits=[retromae]",
-            "finetune.qa_systems=[closed-book,realm]", "tracking.log_every=1",
+            "finetune.qa_systems=[realm]", "tracking.log_every=1",
             f"retromae.train.checkpoint_every={max(50, steps // 4)}", f"realm.train.checkpoint_every={max(20, realm_steps // 4)}",
             f"finetune.train.checkpoint_every={max(50, steps // 4)}", f"finetune.qa_train.checkpoint_every={max(50, steps // 4)}"]
     if preset == "tiny":
@@ -59,17 +61,17 @@ def step_overrides(preset: str, steps: int, realm_steps: int) -> list[str]:
     return sets
 
 
-def run_arm(preset: str, arm: str, sets: list[str], workdir: Path) -> Path:
-    """Clone HEAD into workdir/<preset>-<arm> and run the pipeline up to finetune there."""
+def run_arm(preset: str, arm: str, sets: list[str], workdir: Path, upto: str) -> Path:
+    """Clone HEAD into workdir/<preset>-<arm> and run the pipeline up to `upto` there."""
     dest = workdir / f"{preset}-{arm}"
-    if (dest / "metrics/finetune.json").exists():
+    if (dest / "wall_seconds.txt").exists():
         print(f"{dest}: already run; collecting it", flush=True)
         return dest
     subprocess.run(["rm", "-rf", str(dest)], check=True)
     subprocess.run(["git", "clone", "-q", str(ROOT), str(dest)], check=True)
     os.symlink(ROOT / ".venv", dest / ".venv")
     env_extra, arm_sets = ARMS[arm]
-    cmd = [".venv/bin/python", "-m", "flows.pipeline", "--upto", "finetune",
+    cmd = [".venv/bin/python", "-m", "flows.pipeline", "--upto", upto,
            *(["--preset", preset] if preset != "tiny" else []), *[a for s in sets + arm_sets for a in ("--set", s)]]
     t0 = time.time()
     with open(dest / "pipeline.log", "w") as log:
@@ -165,24 +167,25 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help="tiny (params.yaml as is) or a params/ preset")
-    ap.add_argument("--steps", type=int, default=2000, help="steps of every loop but REALM's own training")
+    ap.add_argument("--steps", type=int, default=2000, help="steps of every loop but REALM's own training; 0: the preset's")
     ap.add_argument("--realm-steps", type=int, default=None, help="REALM's training steps (default: --steps)")
+    ap.add_argument("--upto", default="finetune", choices=STAGES[2:], help="the last stage run")
     ap.add_argument("--arms", nargs="+", default=["glibc", "auto"], choices=list(ARMS))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_memory"))
     ap.add_argument("--collect", action="store_true", help="tables and plot from the saved results only")
     a = ap.parse_args(argv)
-    out = RESULTS / f"memory_{a.preset}.json"
+    out = RESULTS / f"memory_{a.preset}{'' if a.steps else '_preset_steps'}.json"
     if a.collect:
         results = json.loads(out.read_text())
     else:
-        realm_steps = a.realm_steps or a.steps
+        realm_steps = a.realm_steps if a.realm_steps is not None else a.steps
         sets = step_overrides(a.preset, a.steps, realm_steps)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-        results = {"preset": a.preset, "steps": a.steps, "realm_steps": realm_steps, "commit": commit, "cpu": cpu,
+        results = {"preset": a.preset, "upto": a.upto, "steps": a.steps, "realm_steps": realm_steps, "commit": commit, "cpu": cpu,
                    "overrides": sets, "arms": {}}
         for arm in a.arms:
-            ws = run_arm(a.preset, arm, sets, a.workdir)
+            ws = run_arm(a.preset, arm, sets, a.workdir, a.upto)
             c, peaks = curves(ws)
             results["arms"][arm] = {"curves": c, "summary": summarise(c, peaks),
                                     "wall_s": float((ws / "wall_seconds.txt").read_text())}
