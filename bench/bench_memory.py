@@ -97,7 +97,7 @@ def curves(ws: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, floa
             continue
         peaks[stage] = run.data.metrics.get("peak_rss_mb")
         for key in run.data.metrics:
-            if key.endswith("rss_mb") and key != "peak_rss_mb":
+            if key.endswith("rss_mb") and key != "peak_rss_mb" and "final_" not in key:  # summaries, not curves
                 hist = client.get_metric_history(run.info.run_id, key)
                 out[f"{stage}/{key}"] = sorted((m.step, m.value) for m in hist)
     return out, peaks
@@ -134,7 +134,8 @@ def plot(results: dict, path: Path, preset: str) -> None:
             pts = res["curves"].get(key)
             if pts:
                 s, v = zip(*pts)
-                ax.plot(s, v, label=f"{arm} ({res['summary']['loops'][key]['slope_mb_per_1000']:+.0f} MB/1k steps)")
+                slope = res["summary"]["loops"][key]["slope_mb_per_1000"]
+                ax.plot(s, v, label=arm if slope is None else f"{arm} ({slope:+.0f} MB/1k steps)")
         ax.set(title=f"{key.split('/')[0]} ({preset})", xlabel="optimiser step", ylabel="RSS (MiB)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
