@@ -2,7 +2,8 @@
 
     python -m bench.bench_memory --preset tiny                       # every loop >= 2,000 steps, both arms
     python -m bench.bench_memory --preset small --steps 300 --realm-steps 100
-    python -m bench.bench_memory --collect                           # tables (and the PNG) from the results
+    python -m bench.bench_memory --preset tiny --arms glibc --steps 1000 --workdir /tmp/bm_glibc   # arms side by side
+    python -m bench.bench_memory --collect bench/results/memory_tiny_auto.json bench/results/memory_tiny_glibc.json
 
 Each arm runs the real pipeline (`flows.pipeline --upto finetune`, so every stage goes through
 `dvc repro` and scripts/py) in its own clone of HEAD, with the loops' step counts raised:
@@ -15,7 +16,7 @@ and reader warm-ups and its training with refreshes, each bi-encoder and reader 
 is a least-squares fit of RSS on step over the curve after its first quarter (the warm-up, where the
 allocator and caches fill), in MB per 1,000 steps. Peaks are each stage's `peak_rss_mb` (MLflow).
 
-Writes bench/results/memory_<preset>.json, bench/results/memory_<preset>.png (RSS against step for
+Writes bench/results/memory_<preset>_<arms>.json (--collect: memory_<preset>.json), a PNG beside it (RSS against step for
 RetroMAE and REALM, both arms) and prints the Markdown rows of bench/README.md.
 """
 
@@ -173,11 +174,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--upto", default="finetune", choices=STAGES[2:], help="the last stage run")
     ap.add_argument("--arms", nargs="+", default=["glibc", "auto"], choices=list(ARMS))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_memory"))
-    ap.add_argument("--collect", action="store_true", help="tables and plot from the saved results only")
+    ap.add_argument("--collect", nargs="*", type=Path, default=None,
+                    help="tables and plot from saved results only: these files' arms in one table (none: this preset's)")
     a = ap.parse_args(argv)
-    out = RESULTS / f"memory_{a.preset}{'' if a.steps else '_preset_steps'}.json"
-    if a.collect:
-        results = json.loads(out.read_text())
+    base = f"memory_{a.preset}{'' if a.steps else '_preset_steps'}"
+    if a.collect is not None:
+        parts = [json.loads(f.read_text()) for f in a.collect] or [json.loads((RESULTS / f"{base}.json").read_text())]
+        results = {**parts[0], "arms": {arm: r for part in parts for arm, r in part["arms"].items()}}
+        out = RESULTS / f"{base}.json"
+        if a.collect:
+            write_json_atomic(out, results)
     else:
         realm_steps = a.realm_steps if a.realm_steps is not None else a.steps
         sets = step_overrides(a.preset, a.steps, realm_steps)
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             c, peaks = curves(ws)
             results["arms"][arm] = {"curves": c, "summary": summarise(c, peaks),
                                     "wall_s": float((ws / "wall_seconds.txt").read_text())}
+        out = RESULTS / f"{base}_{'-'.join(a.arms)}.json"  # one file per call: arms can run side by side
         write_json_atomic(out, results)
     plot(results, out.with_suffix(".png"), a.preset)
     print(markdown(results))
