@@ -12,8 +12,9 @@ every batch (dynamic padding, a different number of masked tokens per batch). gl
 the mid-sized ones from its heap and, once a large block has been freed, raises its mmap threshold,
 so ever more of them land in the heap, whose free pages it rarely returns: RetroMAE on MiniLM grew
 by 5-8 MB a step, without levelling off. The memory was free, not live: `malloc_trim(0)` gave it
-back, and so no tensor is kept across steps (tests/test_memory.py holds that). mimalloc, jemalloc and
-tcmalloc all kept the same run flat at the same speed or faster (bench/bench_memory.py), so
+back, pinning the mmap threshold (`mallopt`) stopped the growth at 1.5x the step time, and no tensor
+is kept across steps (tests/test_memory.py holds that). mimalloc, jemalloc and tcmalloc all kept the
+same run flat at the same speed or faster (bench/bench_allocator.py), so
 `scripts/py`, which every dvc.yaml stage runs through, preloads mimalloc from the `cmeel-mimalloc`
 wheel of the lock (`RR_ALLOCATOR` picks another, or `system`). A process started another way (a
 test, a notebook, `python -m flows.<stage>`) keeps glibc, and the Trainer trims its heap every
