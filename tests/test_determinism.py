@@ -47,7 +47,9 @@ json.dump({"card": card, "summary": summary, "metrics": rec.rows}, open("result.
 """
 
 # Wall-clock numbers are the only things allowed to differ between two runs.
-TIMING = {"samples_per_s", "tokens_per_s", "train_seconds", "seconds", "throughput", "created", "created_unix"}
+# readings of the machine, not results of the seed: wall times, rates and host memory
+TIMING = {"samples_per_s", "tokens_per_s", "train_seconds", "seconds", "throughput", "created", "created_unix",
+          "rss_mb", "peak_rss_mb"}
 
 
 def _strip(obj):
