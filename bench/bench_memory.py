@@ -35,6 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.workspace import fresh_clone  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
@@ -68,9 +69,7 @@ def run_arm(preset: str, arm: str, sets: list[str], workdir: Path, upto: str) ->
     if (dest / "wall_seconds.txt").exists():
         print(f"{dest}: already run; collecting it", flush=True)
         return dest
-    subprocess.run(["rm", "-rf", str(dest)], check=True)
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(dest)], check=True)
-    os.symlink(ROOT / ".venv", dest / ".venv")
+    fresh_clone(dest)
     env_extra, arm_sets = ARMS[arm]
     cmd = [".venv/bin/python", "-m", "flows.pipeline", "--upto", upto,
            *(["--preset", preset] if preset != "tiny" else []), *[a for s in sets + arm_sets for a in ("--set", s)]]

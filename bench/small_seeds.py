@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from components.eval.comparisons import paper_comparisons, per_query_path, read_per_query  # noqa: E402
 from components.eval.significance import paired_test, per_query_metric  # noqa: E402
+from bench.workspace import fresh_clone  # noqa: E402
 from components.progress import format_duration  # noqa: E402
 
 RESULTS = ROOT / "bench/results/small_seeds.json"
@@ -55,9 +56,7 @@ def run_seed(seed: int, split: str, workdir: Path) -> Path:
     if (dest / "metrics/eval.json").exists():
         print(f"seed {seed}: {dest} already has metrics/eval.json; collecting it", flush=True)
         return dest
-    subprocess.run(["rm", "-rf", str(dest)], check=True)
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(dest)], check=True)
-    os.symlink(ROOT / ".venv", dest / ".venv")  # the small preset's corpus ships in the clone (corpora/)
+    fresh_clone(dest)
     cmd = [".venv/bin/python", "-m", "flows.pipeline", "--preset", "small", "--set", f"compute.seed={seed}",
            "--set", f"evaluate.split={split}"]
     t0 = time.time()
