@@ -158,6 +158,19 @@ def start_timeout() -> float:
     return value
 
 
+def stop_process_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the process group that `proc` leads (started with start_new_session=True), SIGKILL it
+    after `grace` seconds, and reap `proc`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def prefect_server_command(port: int) -> list[str]:
     """The local Prefect API's command line (tests swap it for one that never answers)."""
     return [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-services"]
@@ -207,10 +220,5 @@ def local_prefect_api(home: str | os.PathLike = ".prefect") -> Iterator[str | No
         if os.environ.get("PREFECT_API_URL") == url:
             flush_api_logs()  # while the API still answers
         os.environ.pop("PREFECT_API_URL", None)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc, grace=15)
         logf.close()

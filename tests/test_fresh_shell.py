@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows._runtime import start_timeout, stop_process_group
 from tests.conftest import ROOT, make_workspace
 from tests.servers import free_port
 
@@ -225,7 +225,7 @@ def test_readme_mlflow_ui_as_written(bare_workspace):
     proc = subprocess.Popen([*README_MLFLOW_UI.split(), "--port", str(port), "--workers", "1"], cwd=ws, env=_fresh_env(path),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + float(os.environ.get("RR_START_TIMEOUT") or 120)
+        deadline = time.monotonic() + start_timeout()
         while True:
             assert proc.poll() is None, f"mlflow ui exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}"
             try:
@@ -238,10 +238,5 @@ def test_readme_mlflow_ui_as_written(bare_workspace):
             time.sleep(0.5)
         assert (ws / "mlflow.db").is_file()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, grace=20)
         (ws / ".venv").unlink()

@@ -1,7 +1,7 @@
 """The corpus that ships in the repo (corpora/squad-v1.1-dev-a0-11), gzip input for every file source,
 the SQuAD-schema `data.source: hf` conversion, wide-encoding errors and the empty-passage count.
 
-Pure and offline: nothing here reads ../shared (a user's clone has none).
+Pure and offline: nothing here reads the developers' data folder, which a user's clone has not.
 """
 
 from __future__ import annotations
