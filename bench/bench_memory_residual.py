@@ -1,0 +1,108 @@
+"""What is left of a loop's RSS slope once the allocator is fixed: Python objects, or native memory?
+
+    python -m bench.bench_memory_residual --stage pretrain_retromae --steps 2000
+    python -m bench.bench_memory_residual --stage pretrain_realm --steps 1000
+
+bench/bench_memory.py measures each loop's RSS slope through the real pipeline. Under mimalloc a
+few loops still rise by a few MB per 1,000 steps. This study runs one real stage flow (tiny preset,
+in a fresh clone, through scripts/py so the allocator is the stages' own) with tracemalloc on, and
+records at every logged step the RSS and the memory Python's allocator holds (tracemalloc's traced
+total: every Python object, not torch's tensor storage). Their slopes over the run after its first
+quarter say which part of the residual is Python objects; a tracemalloc snapshot diff between the
+quarter and the end names the lines that hold them.
+
+Writes bench/results/memory_residual_<stage>.json and prints the slopes and the top growing lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_memory import slope_per_1000  # noqa: E402
+from bench.workspace import fresh_clone  # noqa: E402
+from components.io import write_json_atomic  # noqa: E402
+
+RESULTS = ROOT / "bench/results"
+STEP_KEYS = {"pretrain_retromae": ["retromae.train.max_steps"], "pretrain_mlm": ["retromae.train.max_steps"],
+             "pretrain_realm": ["realm.train.max_steps", "realm.ict_steps", "realm.reader_warmup_steps"]}
+UPTO = {"pretrain_retromae": "tokenize", "pretrain_mlm": "tokenize", "pretrain_realm": "pretrain_retromae"}
+FRAMES = 8
+
+
+def child(stage: str, steps: int, out: Path) -> None:
+    """In the prepared workspace: run the stage flow with tracemalloc, sampling at every logged step."""
+    from components.training import memory
+    from components.training.trainer import Trainer
+
+    tracemalloc.start(FRAMES)
+    samples: list[tuple[str, int, float, float]] = []
+    snaps: dict[str, tracemalloc.Snapshot] = {}
+    original = Trainer._log
+
+    def sampled_log(self) -> None:
+        original(self)
+        samples.append((self.prefix, self.step, memory.rss_mb(), tracemalloc.get_traced_memory()[0] / 2**20))
+        if self.step == steps // 4 and self.prefix not in snaps:
+            snaps[self.prefix] = tracemalloc.take_snapshot()
+        elif self.step == steps and self.prefix in snaps:
+            snaps[self.prefix + ":end"] = tracemalloc.take_snapshot()
+
+    Trainer._log = sampled_log
+    runpy.run_module(f"flows.{stage}", run_name="__main__")
+    loops: dict[str, dict] = {}
+    for prefix in dict.fromkeys(p for p, *_ in samples):
+        pts = [(s, r, t) for p, s, r, t in samples if p == prefix]
+        if len(pts) < 40:
+            continue
+        top = []
+        if prefix + ":end" in snaps:
+            diff = snaps[prefix + ":end"].compare_to(snaps[prefix], "traceback")
+            top = [{"kib": round(d.size_diff / 1024, 1), "count": d.count_diff,
+                    "where": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in d.traceback][:FRAMES]}
+                   for d in diff[:12]]
+        loops[prefix] = {"steps": pts[-1][0],
+                         "rss_slope_mb_per_1000": slope_per_1000([(s, r) for s, r, _ in pts]),
+                         "python_slope_mb_per_1000": slope_per_1000([(s, t) for s, _, t in pts]),
+                         "rss_mb": [pts[0][1], pts[-1][1]], "python_mb": [pts[0][2], pts[-1][2]],
+                         "top_growth": top}
+    write_json_atomic(out, {"stage": stage, "steps": steps, "allocator": memory.allocator(), "loops": loops})
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=list(STEP_KEYS), default="pretrain_retromae")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_memory_residual"))
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        return child(a.stage, a.steps, a.child)
+    ws = fresh_clone(a.workdir / a.stage)
+    sets = [f"{k}={a.steps}" for k in STEP_KEYS[a.stage]] + ["tracking.log_every=1"]
+    subprocess.run([".venv/bin/python", "-m", "flows.pipeline", "--upto", UPTO[a.stage],
+                    *[x for s in sets for x in ("--set", s)]], cwd=ws, check=True)
+    raw = ws / "residual.json"
+    subprocess.run(["scripts/py", "-m", "bench.bench_memory_residual", "--stage", a.stage, "--steps", str(a.steps),
+                    "--child", str(raw)], cwd=ws, check=True, env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    res = json.loads(raw.read_text())
+    write_json_atomic(RESULTS / f"memory_residual_{a.stage}.json", res)
+    print(f"{a.stage}, {a.steps} steps, allocator {res['allocator']}")
+    for prefix, r in res["loops"].items():
+        print(f"  {prefix or '(loop)'}: RSS {r['rss_slope_mb_per_1000']:+.2f} MB/1k steps, Python objects "
+              f"{r['python_slope_mb_per_1000']:+.2f} MB/1k steps ({r['python_mb'][0]:.1f} -> {r['python_mb'][1]:.1f} MB)")
+        for d in r["top_growth"][:6]:
+            print(f"      {d['kib']:+8.1f} KiB {d['count']:+6d} objs  {' <- '.join(d['where'][:3])}")
+
+
+if __name__ == "__main__":
+    main()
