@@ -36,7 +36,7 @@ RESULTS = ROOT / "bench/results"
 STEP_KEYS = {"pretrain_retromae": ["retromae.train.max_steps"], "pretrain_mlm": ["retromae.train.max_steps"],
              "pretrain_realm": ["realm.train.max_steps", "realm.ict_steps", "realm.reader_warmup_steps"]}
 UPTO = {"pretrain_retromae": "tokenize", "pretrain_mlm": "tokenize", "pretrain_realm": "pretrain_retromae"}
-FRAMES = 8
+FRAMES = 4
 
 
 def child(stage: str, steps: int, out: Path) -> None:
@@ -59,6 +59,7 @@ def child(stage: str, steps: int, out: Path) -> None:
 
     Trainer._log = sampled_log
     runpy.run_module(f"flows.{stage}", run_name="__main__")
+    tracemalloc.stop()  # the diffs below are slow enough without tracing their own allocations
     loops: dict[str, dict] = {}
     for prefix in dict.fromkeys(p for p, *_ in samples):
         pts = [(s, r, t) for p, s, r, t in samples if p == prefix]
@@ -66,9 +67,9 @@ def child(stage: str, steps: int, out: Path) -> None:
             continue
         top = []
         if prefix + ":end" in snaps:
-            diff = snaps[prefix + ":end"].compare_to(snaps[prefix], "traceback")
+            diff = snaps[prefix + ":end"].compare_to(snaps[prefix], "lineno")  # "traceback" took minutes
             top = [{"kib": round(d.size_diff / 1024, 1), "count": d.count_diff,
-                    "where": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in d.traceback][:FRAMES]}
+                    "where": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in d.traceback]}
                    for d in diff[:12]]
         loops[prefix] = {"steps": pts[-1][0],
                          "rss_slope_mb_per_1000": slope_per_1000([(s, r) for s, r, _ in pts]),
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {prefix or '(loop)'}: RSS {r['rss_slope_mb_per_1000']:+.2f} MB/1k steps, Python objects "
               f"{r['python_slope_mb_per_1000']:+.2f} MB/1k steps ({r['python_mb'][0]:.1f} -> {r['python_mb'][1]:.1f} MB)")
         for d in r["top_growth"][:6]:
-            print(f"      {d['kib']:+8.1f} KiB {d['count']:+6d} objs  {' <- '.join(d['where'][:3])}")
+            print(f"      {d['kib']:+8.1f} KiB {d['count']:+6d} objs  {d['where'][0]}")
 
 
 if __name__ == "__main__":
