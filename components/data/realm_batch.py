@@ -221,7 +221,7 @@ def unmasked_spans(q: RealmQuery, spans: set[tuple[int, ...]]) -> list[tuple[int
     return sorted(sp for sp in spans if sp != answer and contains_span(q.input_ids, sp))
 
 
-def context_spans(q: RealmQuery, block_row: dict, tagger: TaggerLike = "auto") -> list[tuple[int, ...]]:
+def context_spans(q: RealmQuery, block_row: dict, tagger: TaggerLike) -> list[tuple[int, ...]]:
     """`unmasked_spans` of x's source block `block_row`."""
     return unmasked_spans(q, block_spans(block_row, tagger))
 
@@ -242,9 +242,7 @@ def iter_block_rows(blocks, columns: list[str], batch: int = 1000):
 def eligible_rows(blocks, p, mask_token_id: int, seed: int) -> list[int]:
     """Rows for which `make_query` yields a query (salient-span mode: the block has a usable span)."""
     if p.masking == "salient_span":
-        tagger = span_tagger_for(p)
-        if tagger.fallback:  # resolved (and warned about) once, before the pass over the corpus
-            log.warning("realm.span_tagger=auto: the salient spans to mask come from the regex fallback, not spaCy NER")
+        span_tagger_for(p).kind  # resolved once, before the pass over the corpus: a missing NER model errors or warns here
     cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text", "block_id") if c in blocks.column_names]
     rng = np.random.default_rng(seed)
     return [r for r, row in iter_block_rows(blocks, cols) if make_query(row, p, rng, mask_token_id=mask_token_id, row=r)]

@@ -151,7 +151,7 @@ def train_realm(
     if run is not None and rank0:
         tagger = span_tagger_for(p)
         run.set_tags({"realm.retriever_init": p.retriever_init, "realm.refresh_mode": p.refresh_mode,
-                      "realm.span_tagger": "regex (auto fallback)" if tagger.fallback else tagger.kind})
+                      "realm.span_tagger": "regex (ner_missing fallback)" if tagger.fallback else tagger.kind})
 
     seed = params.compute.seed
     train_rows, held, held_queries, stale_x = _split_rows(blocks, p, special, seed)

@@ -78,7 +78,7 @@ class SalientSpanIndex:
     Memory is one entry per (block, distinct salient span), the cost of one `eligible_rows` pass;
     a lookup intersects short posting lists, never scans the corpus."""
 
-    def __init__(self, blocks, tagger: TaggerLike = "auto"):
+    def __init__(self, blocks, tagger: TaggerLike):
         cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text") if c in blocks.column_names]
         self.spans_of: dict[int, set[tuple[int, ...]]] = {}
         self.rows_of: dict[tuple[int, ...], set[int]] = {}
