@@ -335,6 +335,12 @@ class RealmParams(_Section):
     exclude_spans_in_query: bool = Field(
         description="salient_span: mask only spans that occur once in their block. A span written again "
         "elsewhere in x is answered by copying from x, and the retriever learns noise from it (off = the paper)")
+    span_min_other_blocks: int | None = Field(
+        ge=0, description="salient_span: mask only spans that at least this many OTHER blocks of the corpus hold among "
+        "their salient spans, and that x does not show elsewhere: an answer retrieval can supply and x cannot. "
+        "null (with span_max_other_blocks null) = any span, the paper's masking")
+    span_max_other_blocks: int | None = Field(
+        ge=0, description="... and at most this many (a topic entity in 95 blocks is no test of retrieval); null = no upper bound")
     ict_steps: int = Field(ge=0, description="Inverse Cloze Task warm-up of the retriever: random towers + ICT "
                            "for `ict` (ORQA/REALM), RetroMAE towers + ICT for `retromae`; 0 = none")
     ict_mask_rate: float = Field(ge=0, le=1)
@@ -360,6 +366,18 @@ class RealmParams(_Section):
                                "is one held-out query (more queries, less noise in the held-out curves)")
     # the paper's lr 3e-5: with more, updates from queries no other block answers undo the retriever's gain
     train: RealmTrainParams
+
+    @property
+    def filters_other_blocks(self) -> bool:
+        """Whether salient spans are kept by how many other blocks hold them (span_min/max_other_blocks)."""
+        return self.span_min_other_blocks is not None or self.span_max_other_blocks is not None
+
+    @model_validator(mode="after")
+    def _check_other_blocks(self) -> "RealmParams":
+        lo, hi = self.span_min_other_blocks, self.span_max_other_blocks
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"realm.span_min_other_blocks={lo} > realm.span_max_other_blocks={hi}: no span can be masked")
+        return self
 
 
 RetrievalStart = Literal["init", "mlm", "retromae", "realm", "pretrained"]
