@@ -326,6 +326,10 @@ class RealmParams(_Section):
     max_masks: int = Field(ge=1)
     random_mask_ratio: float = Field(gt=0, lt=1)
     refresh_every: int = Field(ge=0, description="optimiser steps between index refreshes; 0 = never")
+    query_tower: Literal["live", "index_export"] = Field(
+        description="which query tower embeds x for the top-k search: live (the one being trained, searching a doc "
+        "index up to refresh_every steps old) or index_export (REALM's: the query tower of the snapshot that built "
+        "the index, so both sides of the search are equally stale). p(z|x) is rescored with the live towers either way")
     refresh_mode: Literal["async", "sync"]
     index_type: Literal["auto", "flat", "ivf", "hnsw"]
     index_auto_flat_max: int = Field(ge=1, description="auto: flat up to this many blocks (CPU), then ivf; bench/bench_index.py measured the switch")

@@ -484,19 +484,22 @@ class RealmCollator:
 
     `retriever` (the live `Retriever`, any module with `encode_query`) and `search(q, k) -> (scores,
     rows)` (e.g. `IndexStore.search`, which reads whichever index was swapped in last) are passed
-    in, so this data module depends on neither the models nor the index. Called by the Trainer in
+    in, so this data module depends on neither the models nor the index; `query_encoder()`, when
+    given, returns the tower that embeds x for the search instead (`IndexRefresh.query_encoder`). Called by the Trainer in
     the training thread (`num_workers` must be 0: a worker process would search a copy of the
     index that never sees a swap). Masks are drawn from the Trainer's per-(step, micro-batch)
     generator, so a resumed run draws the same masks.
     """
 
-    def __init__(self, blocks, p, special: SpecialTokens, retriever, search: Callable[[np.ndarray, int], tuple]):
+    def __init__(self, blocks, p, special: SpecialTokens, retriever, search: Callable[[np.ndarray, int], tuple],
+                 query_encoder: Callable[[], Any] | None = None):
         self.blocks = blocks
         missing = [c for c in passage_columns(p) if c not in blocks.column_names]
         if missing:
             raise ValueError(f"realm.doc_input={p.doc_input} needs the blocks' {missing} column(s): rerun the tokenize stage")
         self.lookup = blocks.select_columns(passage_columns(p))
         self.p, self.special, self.retriever, self.search = p, special, retriever, search
+        self.query_encoder = query_encoder  # () -> the tower that embeds x for the search; None: `retriever`
         self.span_blocks = span_block_counts(blocks, p)
 
     def queries(self, rows: list[int], rng: np.random.Generator) -> list[RealmQuery]:
@@ -508,9 +511,11 @@ class RealmCollator:
         return out
 
     def batch(self, queries: list[RealmQuery], search=None, retriever=None) -> dict[str, torch.Tensor]:
-        """The batch for `queries`; `search` / `retriever` default to the live ones (an evaluation
-        passes a fixed index's search and the model's retriever)."""
-        retriever = retriever or self.retriever
+        """The batch for `queries`; `search` / `retriever` default to the current index and the
+        query tower that searches it: the live one, or with `query_encoder` (realm.query_tower:
+        index_export) the snapshot that built that index. An evaluation passes a fixed index's
+        search and the model's retriever."""
+        retriever = retriever or (self.query_encoder() if self.query_encoder is not None else None) or self.retriever
         device = next(retriever.parameters()).device
         return build_batch(queries, retriever, search or self.search, self.lookup, self.p, self.special, device)
 
