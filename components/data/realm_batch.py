@@ -43,7 +43,6 @@ The reader always reads the body: `[CLS] x [SEP] z [SEP]`, as REALM's featurizer
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -54,7 +53,6 @@ import torch
 from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
 from components.data.salient_spans import TaggerLike, block_spans, contains_span, salient_token_spans, span_tagger_for, whole_words
 
-log = logging.getLogger(__name__)
 _FALLBACK_SPAN_LENS = (1, 2, 3, 4)  # random_span length when the block has no salient span
 _SENTENCE = re.compile(r"[^.!?]+(?:[.!?]+|$)")
 

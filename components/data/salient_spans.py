@@ -174,9 +174,16 @@ def _warn_once(message: str) -> None:
 
 
 def _spacy_spans(text: str, model: str, types: frozenset[str] | None = None) -> list[Span]:
+    return list(_spacy_spans_cached(text, model, types))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _spacy_spans_cached(text: str, model: str, types: frozenset[str] | None) -> tuple[Span, ...]:
+    # A block is tagged by every pass (eligible rows, span counts, the warm-up's index, probes) and at
+    # every draw of a query from it: NER runs once per distinct block text.
     doc = _load_spacy(model)(text)
-    return sorted((e.start_char, e.end_char, e.label_) for e in doc.ents
-                  if e.end_char > e.start_char and (not types or e.label_ in types))
+    return tuple(sorted((e.start_char, e.end_char, e.label_) for e in doc.ents
+                        if e.end_char > e.start_char and (not types or e.label_ in types)))
 
 
 @dataclass(frozen=True)
