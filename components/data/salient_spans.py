@@ -151,11 +151,16 @@ def _load_spacy(model: str = SPACY_MODEL):
     # Only NER is needed: the parser and lemmatizer would triple the cost per block.
     disable = ["parser", "lemmatizer", "tagger", "attribute_ruler"]
     try:
-        return spacy.load(model, disable=disable)
+        nlp = spacy.load(model, disable=disable)
     except OSError:  # not installed under its own name: its PyPI package, if it has one
         if model not in PYPI_MODELS:
             raise
-        return spacy.load(PYPI_MODELS[model], disable=disable)
+        nlp = spacy.load(PYPI_MODELS[model], disable=disable)
+    # en_core_web_sm's NER embeds tokens itself; the shared tok2vec fed only the disabled tagger and
+    # parser (same entities, ~40% less time). A pipeline whose NER listens to it keeps it.
+    if "tok2vec" in nlp.pipe_names and "ner" not in getattr(nlp.get_pipe("tok2vec"), "listening_components", ["ner"]):
+        nlp.disable_pipe("tok2vec")
+    return nlp
 
 
 @functools.lru_cache(maxsize=4)
