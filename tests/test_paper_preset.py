@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import REALM_SPAN_TYPES, ParamsError, RealmParams, load_params
+from components.config import ParamsError, RealmParams, load_params
 from components.data import realm_batch as rb
 from components.data import salient_spans as ss
 from components.data.special_tokens import SpecialTokens
@@ -22,6 +22,7 @@ from tests.conftest import ROOT
 
 SP = SpecialTokens(pad=0, cls=2, sep=3, mask=4)
 PRESETS = {"tiny": [], "small": [ROOT / "params/small.yaml"], "paper": [ROOT / "params/paper.yaml"]}
+REALM_SPAN_TYPES = tuple(RealmParams().span_types)  # params.yaml's realm.span_types: the one copy of REALM's labels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -48,7 +49,7 @@ def test_paper_preset_runs_realms_recipe():
     r = p.realm
     assert (r.ict_steps, r.ict_batch_size, r.ict_lr, r.ict_mask_rate, r.ict_query_len) == (100000, 4096, 1e-4, 0.9, 64)
     assert r.retriever_init == "retromae" and r.train.warmup_rule == "realm" and r.train.warmup_steps() == 10000
-    assert (r.query_unit, r.doc_input, r.span_tagger) == ("sentence", "title_body", "spacy")
+    assert (r.query_unit, r.doc_input, r.span_tagger, r.ner_missing) == ("sentence", "title_body", "spacy", "error")
     assert tuple(r.span_types) == REALM_SPAN_TYPES and "CARDINAL" not in r.span_types and "MONEY" not in r.span_types
     assert (r.query_len, r.block_len, r.top_k, r.max_masks) == (96, 288, 8, 10)
     assert p.retromae.mask_pool_size == 256
@@ -58,6 +59,8 @@ def test_paper_preset_runs_realms_recipe():
 def test_tiny_and_small_keep_todays_choices(name):
     r = load_params(ROOT / "params.yaml", presets=PRESETS[name]).realm
     assert (r.query_unit, r.doc_input, r.train.warmup_rule, r.ict_query_len) == ("window", "body", "ratio", None)
+    # small masks REALM's NER spans; tiny's synthetic world keeps the regex tagger it always used
+    assert (r.span_tagger, tuple(r.span_types)) == ({"tiny": "regex", "small": "spacy"}[name], REALM_SPAN_TYPES)
     assert r.train.warmup_steps() == int(r.train.warmup_ratio * r.train.max_steps)
 
 
@@ -214,27 +217,14 @@ def test_tokenize_gives_each_block_its_titles_tokens(tmp_path):
 def test_realm_span_types_are_named_entities_and_dates():
     assert "DATE" in REALM_SPAN_TYPES and {"PERSON", "ORG", "GPE", "LOC", "NORP"} <= set(REALM_SPAN_TYPES)
     assert not {"CARDINAL", "ORDINAL", "QUANTITY", "MONEY", "PERCENT", "TIME"} & set(REALM_SPAN_TYPES)
-    assert tuple(RealmParams().span_types) == REALM_SPAN_TYPES  # params.yaml holds the same list
-
-
-def test_the_regex_fallback_warns_and_says_so(monkeypatch, caplog):
-    ss.spacy_available.cache_clear()
-    monkeypatch.setattr(ss, "_load_spacy", lambda model=ss.SPACY_MODEL: (_ for _ in ()).throw(OSError("no model")))
-    try:
-        with caplog.at_level(logging.WARNING, logger=ss.__name__):
-            tagger = ss.span_tagger_for(RealmParams(span_tagger="auto"))
-            assert tagger.kind == "regex" and tagger.fallback
-        assert any(r.levelno == logging.WARNING and "regex" in r.getMessage() for r in caplog.records)
-        assert not ss.SpanTagger("regex").fallback  # asked for: not a fallback
-    finally:
-        ss.spacy_available.cache_clear()
 
 
 @pytest.fixture
 def ruler_nlp(monkeypatch):
-    """spaCy's real NER code path, with an entity ruler instead of a trained model (no English
-    model is on PyPI): PERSON, DATE, GPE, CARDINAL and MONEY spans."""
-    spacy = pytest.importorskip("spacy")
+    """spaCy's real NER code path with an entity ruler instead of a trained model, so the spans are
+    known exactly: PERSON, DATE, GPE, CARDINAL and MONEY spans (tests/test_ner_spans.py runs the model)."""
+    import spacy
+
     nlp = spacy.blank("en")
     ruler = nlp.add_pipe("entity_ruler")
     ruler.add_patterns([
@@ -242,10 +232,12 @@ def ruler_nlp(monkeypatch):
         {"label": "GPE", "pattern": "Ardel"}, {"label": "CARDINAL", "pattern": "1,200"},
         {"label": "MONEY", "pattern": [{"LOWER": "5"}, {"LOWER": "dollars"}]},
     ])
-    ss.spacy_available.cache_clear()
+    ss._spacy_error.cache_clear()
+    ss._spacy_spans_cached.cache_clear()
     monkeypatch.setattr(ss, "_load_spacy", lambda model=ss.SPACY_MODEL: nlp)
     yield nlp
-    ss.spacy_available.cache_clear()
+    ss._spacy_error.cache_clear()
+    ss._spacy_spans_cached.cache_clear()
 
 
 SPACY_TEXT = "On 12 March 1875 Zorvan Teluk led 1,200 men to Ardel for 5 dollars."
@@ -257,10 +249,9 @@ def test_spacy_path_masks_only_realms_types(ruler_nlp):
 
     everything = labels("spacy")
     assert ("1,200", "CARDINAL") in everything and ("5 dollars", "MONEY") in everything
-    realm = ss.span_tagger_for(RealmParams(span_tagger="spacy", span_types=list(REALM_SPAN_TYPES)))
+    realm = ss.span_tagger_for(RealmParams(span_tagger="spacy"))
+    assert realm.kind == "spacy" and not realm.fallback
     assert labels(realm) == [("12 March 1875", "DATE"), ("Zorvan Teluk", "PERSON"), ("Ardel", "GPE")]
-    auto = ss.span_tagger_for(RealmParams(span_tagger="auto", span_types=list(REALM_SPAN_TYPES)))
-    assert auto.kind == "spacy" and not auto.fallback and labels(auto) == labels(realm)
 
 
 def test_spacy_types_reach_the_masked_spans(ruler_nlp):

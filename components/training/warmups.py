@@ -28,7 +28,7 @@ from torch import nn
 from components.config import Params
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
 from components.data.realm_batch import (
-    NULL_ROW, RealmQuery, collate, iter_block_rows, make_query, masked_answer, unmasked_spans,
+    NULL_ROW, RealmQuery, collate, iter_block_rows, make_query, masked_answer, span_block_counts, unmasked_spans,
 )
 from components.data.salient_spans import TaggerLike, block_spans, span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
@@ -78,7 +78,7 @@ class SalientSpanIndex:
     Memory is one entry per (block, distinct salient span), the cost of one `eligible_rows` pass;
     a lookup intersects short posting lists, never scans the corpus."""
 
-    def __init__(self, blocks, tagger: TaggerLike = "auto"):
+    def __init__(self, blocks, tagger: TaggerLike):
         cols = [c for c in ("input_ids", "word_ids", "offsets", "char_spans", "text") if c in blocks.column_names]
         self.spans_of: dict[int, set[tuple[int, ...]]] = {}
         self.rows_of: dict[tuple[int, ...], set[int]] = {}
@@ -113,6 +113,7 @@ class ReaderWarmupCollator:
                  doc_rows: set[int] | None = None):  # p: RealmParams
         self.blocks, self.lookup, self.p, self.special = blocks, blocks.select_columns(["input_ids"]), p, special
         self.spans, self.doc_rows = spans, doc_rows
+        self.span_blocks = span_block_counts(blocks, p)  # realm.span_min/max_other_blocks: the queries REALM trains on
 
     def document(self, q: RealmQuery, rng: np.random.Generator) -> int:
         answer_block = self.spans is not None and self.p.reader_warmup_doc == "answer_block"
@@ -151,7 +152,7 @@ class ReaderWarmupCollator:
         """(query, document tokens) per row that yields a query."""
         out = []
         for r in rows:
-            q = make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r))
+            q = make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r), span_blocks=self.span_blocks)
             if q is None:
                 continue
             z = [int(t) for t in self.lookup[self.document(q, rng)]["input_ids"]]

@@ -1,0 +1,109 @@
+"""realm.span_min_other_blocks / span_max_other_blocks (issue 28 item 3): mask only the salient spans
+that 1..N other blocks of the corpus hold and that x does not show elsewhere, on a hand-built corpus
+whose span counts are known; off (null, null) masks any span, as before."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from components.config import ParamsError, RealmParams, load_params
+from components.data import realm_batch as rb
+from tests.conftest import ROOT
+
+MASK = 1
+# Each block's salient spans are marked by the source (char_spans), as the synthetic world marks its
+# own, so the counts below do not depend on a tagger: Alpha is in b0 only, Gamma in b0 and b2, Beta in
+# b0, b1 and b2, Delta in b3 only, and b4 / b5 write Gamma twice.
+CORPUS = {
+    "b0": ("Alpha met Beta in Gamma .", ["Alpha", "Beta", "Gamma"]),
+    "b1": ("Beta lives here .", ["Beta"]),
+    "b2": ("Gamma and Beta talk .", ["Gamma", "Beta"]),
+    "b3": ("Delta is alone .", ["Delta"]),
+    "b4": ("Gamma saw Gamma .", ["Gamma", "Gamma"]),
+    "b5": ("Gamma ran far . Then Gamma slept .", ["Gamma", "Gamma"]),
+}
+VOCAB: dict[str, int] = {}
+
+
+def _row(block_id: str) -> dict:
+    text, names = CORPUS[block_id]
+    words = list(re.finditer(r"\S+", text))
+    spans, at = [], 0
+    for name in names:
+        s = text.index(name, at)
+        spans.append([s, s + len(name)])
+        at = s + len(name)
+    return {"input_ids": [VOCAB.setdefault(m.group(), 10 + len(VOCAB)) for m in words], "word_ids": list(range(len(words))),
+            "offsets": [[m.start(), m.end()] for m in words], "char_spans": spans, "text": text, "block_id": block_id}
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    import datasets
+
+    rows = [_row(b) for b in CORPUS]
+    return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]})
+
+
+def _params(lo=None, hi=None, **kw) -> RealmParams:
+    return RealmParams(query_len=32, max_masks=4, exclude_spans_in_query=False, span_min_other_blocks=lo,
+                       span_max_other_blocks=hi, **kw)
+
+
+def _masked(row: dict, p: RealmParams, counts, seeds: int = 40) -> set[str]:
+    """The words masked over `seeds` draws ("" when make_query gives None)."""
+    out = set()
+    for seed in range(seeds):
+        q = rb.make_query(row, p, np.random.default_rng(seed), mask_token_id=MASK, row=0, span_blocks=counts)
+        out.add("" if q is None else " ".join(_words(rb.masked_answer(q))))
+    return out
+
+
+def _words(ids) -> list[str]:
+    word = {v: k for k, v in VOCAB.items()}
+    return [word[t] for t in ids]
+
+
+def test_span_counts_are_the_blocks_that_hold_each_span(blocks):
+    counts = rb.span_block_counts(blocks, _params(lo=1))
+    assert {" ".join(_words(sp)): n for sp, n in counts.items()} == {"Alpha": 1, "Beta": 3, "Gamma": 4, "Delta": 1}
+    assert rb.span_block_counts(blocks, _params()) is None  # off: no pass over the corpus
+
+
+def test_only_spans_in_1_to_n_other_blocks_are_masked(blocks):
+    row = blocks[0]  # Alpha is in 0 other blocks, Beta in 2, Gamma in 3
+    off = _params()
+    assert _masked(row, off, None) == {"Alpha", "Beta", "Gamma"}  # the paper's: any span
+    assert _masked(row, _params(lo=1), rb.span_block_counts(blocks, _params(lo=1))) == {"Beta", "Gamma"}
+    assert _masked(row, _params(lo=1, hi=2), rb.span_block_counts(blocks, _params(lo=1, hi=2))) == {"Beta"}
+    assert _masked(row, _params(hi=0), rb.span_block_counts(blocks, _params(hi=0))) == {"Alpha"}
+    assert _masked(blocks[3], _params(lo=1), rb.span_block_counts(blocks, _params(lo=1))) == {""}  # Delta: nowhere else
+
+
+def test_a_span_x_shows_elsewhere_is_not_masked(blocks):
+    p = _params(lo=1)
+    counts = rb.span_block_counts(blocks, p)
+    assert _masked(blocks[4], p, counts) == {""}  # x = "Gamma saw Gamma": the answer stands in x
+    assert _masked(blocks[4], _params(), None) == {"Gamma"}  # off: masked all the same
+    # x = the span's sentence: each Gamma is alone in its sentence, so it may be masked there
+    assert _masked(blocks[5], p, counts) == {""}
+    assert _masked(blocks[5], _params(lo=1, query_unit="sentence"), counts) == {"Gamma"}
+
+
+def test_eligible_rows_and_fixed_queries_apply_the_filter(blocks):
+    p = _params(lo=1, hi=2)
+    assert rb.eligible_rows(blocks, p, MASK, seed=0) == [0, 1, 2]  # Beta; Delta (0 others) and Gamma (3 others) drop
+    assert rb.eligible_rows(blocks, _params(), MASK, seed=0) == [0, 1, 2, 3, 4, 5]
+    answers = {" ".join(_words(rb.masked_answer(q)))
+               for q in rb.fixed_queries(blocks, [0, 1, 2], p, rb.SpecialTokens(pad=0, cls=2, sep=3, mask=MASK), 0, draws=8)}
+    assert answers == {"Beta"}
+
+
+def test_the_filter_needs_the_counts_and_a_sane_range():
+    with pytest.raises(ValueError, match="span_block_counts"):
+        rb.make_query(_row("b0"), _params(lo=1), np.random.default_rng(0), mask_token_id=MASK)
+    with pytest.raises(ParamsError, match="span_min_other_blocks=3"):
+        load_params(ROOT / "params.yaml", overrides={"realm.span_min_other_blocks": 3, "realm.span_max_other_blocks": 1})
