@@ -32,7 +32,9 @@ def _report(card: dict) -> str:
 
 
 def _warm_start(params) -> str | None:
-    from components.models.encoder import warm_start_path  # imports torch: only this stage's body needs it
+    if params.warm_start.path is None:  # the usual case: no need to import torch (encoder.py) to say so
+        return None
+    from components.models.encoder import warm_start_path
 
     return warm_start_path(params)
 

@@ -40,6 +40,24 @@ def test_import_leaves_heavy_packages_unloaded(module):
     assert not any(loaded.values()), f"`import {module}` imported {[m for m, v in loaded.items() if v]}"
 
 
+def test_tokenize_flow_without_warm_start_never_imports_torch():
+    """The flow's own code, around the body: resolving an unset warm_start needs no encoder."""
+    out = _python(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.conftest import tiny_params
+        import flows.tokenize as m
+        params = tiny_params()
+        assert params.warm_start.path is None
+        m.tokenize_and_pack = lambda p, corpus, out, warm_start: {{"warm_start": warm_start}}
+        m.run_stage = lambda stage, sections, body, **kw: body(params, None)
+        assert m.tokenize_flow.fn() == {{"warm_start": None}}
+        print("torch" in sys.modules)
+    """)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_stage_run_opens_mlflow_lazily(tmp_path):
     """The mechanism above still reaches MLflow: the run's first call imports it."""
     out = _python(f"""
