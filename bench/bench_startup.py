@@ -1,11 +1,11 @@
 """What it costs to start one stage: a baseline commit against this checkout, side by side, on the
 tiny preset against real local servers (tests/servers.py: MLflow + S3, a Prefect API).
 
-    .venv/bin/python bench/bench_startup.py                     # baseline `main`, 5 rounds, ~5 min on 2 cores
+    .venv/bin/python bench/bench_startup.py                     # baseline: merge-base with main, 5 rounds, ~10 min
     .venv/bin/python bench/bench_startup.py --baseline b5c8f8b -n 7 --stage prepare_corpus
 
 Two workspaces, each made by its own commit's `tests.conftest.make_workspace` (baseline: a clone of
-`--baseline`; candidate: a clone of this checkout's HEAD), both run up to the stage once (untimed).
+`--baseline`, by default the commit this branch left main at; candidate: a clone of this checkout's HEAD), both run up to the stage once (untimed).
 Then, in every round, both workspaces in alternating order (A B, B A, ...), each a new process:
 
   stage     `scripts/py -m flows.<stage>`: scripts/py, imports, Prefect flow run, MLflow run, body, exit
@@ -82,15 +82,16 @@ def med(xs: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", default="main", help="git ref to compare this checkout's HEAD with")
+    ap.add_argument("--baseline", default=None, help="git ref to compare this checkout's HEAD with "
+                    "(default: where HEAD left main, `git merge-base HEAD main`)")
     ap.add_argument("--stage", default="tokenize", choices=["prepare_corpus", "tokenize"])
     ap.add_argument("-n", "--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "bench/results/startup.json"))
     args = ap.parse_args(argv)
 
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    base = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()[:12]
+    git = ["merge-base", "HEAD", "main"] if args.baseline is None else ["rev-parse", args.baseline]
+    base = subprocess.run(["git", *git], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()[:12]
     tmp = Path(tempfile.mkdtemp(prefix="rr-bench-startup-"))
     res: dict = {"args": vars(args), "commits": {"baseline": base, "candidate": head},
                  "env": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "loadavg_start": os.getloadavg()}}
