@@ -77,8 +77,8 @@ sys.excepthook = _excepthook
 
 
 # A stage process ends by tearing its interpreter down: every module of torch, transformers, mlflow
-# and prefect freed one by one, 0.6-1 s on 2 idle cores and 2-4 s on busy ones, after the stage's
-# work and its MLflow run and Prefect flow run are all closed. `run_main` skips that teardown once
+# and prefect freed one by one, after the stage's work, its MLflow run and its Prefect flow run are
+# all closed (2.4-4.2 s for those imports on the shared 2-core machine at load 6; bench/README.md). `run_main` skips that teardown once
 # the flow has returned: `_exit_without_teardown` is the first atexit callback registered (it runs
 # last), so Prefect's and MLflow's own exit hooks (log and event flushes) have run by then.
 _completed = False

@@ -220,10 +220,11 @@ def local_prefect_api(home: str | os.PathLike = ".prefect") -> Iterator[str | No
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings(updates={PREFECT_API_URL: url}):
-            yield url
+            try:
+                yield url
+            finally:
+                flush_api_logs()  # while the API still answers, and this process's settings name it
     finally:
-        if os.environ.get("PREFECT_API_URL") == url:
-            flush_api_logs()  # while the API still answers
         os.environ.pop("PREFECT_API_URL", None)
         stop_process_group(proc, grace=15)
         logf.close()
