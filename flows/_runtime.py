@@ -213,12 +213,18 @@ def local_prefect_api(home: str | os.PathLike = ".prefect") -> Iterator[str | No
                     f"running server (`make servers-up`). Log {server_log}:\n{_tail(server_log)}")
             time.sleep(0.3)
         log.info("local Prefect API at %s (ready in %.1fs)", url, time.monotonic() - t0)
-        os.environ["PREFECT_API_URL"] = url
+        os.environ["PREFECT_API_URL"] = url  # the stage processes'
         os.environ["PREFECT_HOME"] = str(home)
-        yield url
+        # and this process's: Prefect read its settings at import, so without this the pipeline's
+        # own flow run would start Prefect's ephemeral API (~11 s) and be recorded there, not here
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            try:
+                yield url
+            finally:
+                flush_api_logs()  # while the API still answers, and this process's settings name it
     finally:
-        if os.environ.get("PREFECT_API_URL") == url:
-            flush_api_logs()  # while the API still answers
         os.environ.pop("PREFECT_API_URL", None)
         stop_process_group(proc, grace=15)
         logf.close()

@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from components.paths import CORPUS, METRICS
 from components.stages.evaluate import evaluate
 from components.tracking import ENV_PARENT
+from flows import run_main
 from flows._stage import Artifact, Dataset, attach_metrics, mlflow_run_url, publish_eval_artifacts, run_stage
 
 STAGE = "evaluate"
@@ -84,4 +85,4 @@ def evaluate_flow() -> dict:
 
 
 if __name__ == "__main__":
-    evaluate_flow()
+    run_main(evaluate_flow)

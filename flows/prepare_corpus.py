@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from components.data.errors import DataError
 from components.data.prepare import prepare_corpus
 from components.paths import CORPUS
+from flows import run_main
 from flows._stage import Artifact, Dataset, run_stage
 
 
@@ -49,4 +50,4 @@ def prepare_corpus_flow() -> dict:
 
 
 if __name__ == "__main__":
-    prepare_corpus_flow()
+    run_main(prepare_corpus_flow)

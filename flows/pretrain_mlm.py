@@ -15,6 +15,7 @@ from components.stages.common import write_stage_metrics
 from components.stages.pretrain_retromae import train_encoder
 from flows._runtime import params_from_env
 from flows._torchrun import run_training
+from flows import run_main
 from flows._stage import Artifact, Dataset, Model, run_stage
 
 STAGE = "pretrain_mlm"
@@ -39,4 +40,4 @@ def pretrain_mlm_flow() -> dict:
 
 
 if __name__ == "__main__":
-    pretrain_mlm_flow()
+    run_main(pretrain_mlm_flow)

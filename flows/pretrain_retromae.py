@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from components.paths import INIT_ENCODER, RETROMAE_ENCODER, RETROMAE_OUT, TOKENS, stage_metrics
 from components.stages.pretrain_retromae import train_encoder
 from flows._torchrun import run_training
+from flows import run_main
 from flows._stage import Artifact, Dataset, Model, run_stage
 
 STAGE = "pretrain_retromae"
@@ -32,4 +33,4 @@ def pretrain_retromae_flow() -> dict:
 
 
 if __name__ == "__main__":
-    pretrain_retromae_flow()
+    run_main(pretrain_retromae_flow)

@@ -9,8 +9,8 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from components.data.tokenize import tokenize_corpus
-from components.models.encoder import warm_start_path
 from components.paths import CORPUS, TOKENS
+from flows import run_main
 from flows._stage import Artifact, Dataset, run_stage
 
 
@@ -31,11 +31,19 @@ def _report(card: dict) -> str:
             f"{card['retrieval_blocks']} retrieval blocks ({card['throughput']['tokens_per_s']:.0f} tokens/s)")
 
 
+def _warm_start(params) -> str | None:
+    if params.warm_start.path is None:  # the usual case: no need to import torch (encoder.py) to say so
+        return None
+    from components.models.encoder import warm_start_path
+
+    return warm_start_path(params)
+
+
 @flow(name="tokenize", log_prints=True)
 def tokenize_flow() -> dict:
     # warm_start.path set: the corpus is tokenized with that encoder's own tokenizer
     return run_stage("tokenize", ["tokenize", "warm_start"],
-                     lambda params, run: tokenize_and_pack(params.tokenize, str(CORPUS), str(TOKENS), warm_start_path(params)),
+                     lambda params, run: tokenize_and_pack(params.tokenize, str(CORPUS), str(TOKENS), _warm_start(params)),
                      inputs=[Dataset(CORPUS, "corpus")],
                      outputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks"), Dataset(TOKENS / "blocks", "retrieval_blocks")],
                      metrics=_metrics, report=_report,
@@ -43,4 +51,4 @@ def tokenize_flow() -> dict:
 
 
 if __name__ == "__main__":
-    tokenize_flow()
+    run_main(tokenize_flow)

@@ -32,8 +32,6 @@ import os
 import resource
 import sys
 
-import torch
-
 log = logging.getLogger(__name__)
 
 ALLOCATORS = ("mimalloc", "jemalloc", "tcmalloc")  # what scripts/py can preload, in its `auto` order
@@ -116,6 +114,8 @@ def live_tensors() -> tuple[int, int]:
 
     A tensor with a `grad_fn` that outlives its step keeps the whole step's graph, and with it
     every saved activation, alive: the usual cause of a training loop's growing memory."""
+    import torch  # here, not at the top: every stage flow imports this module for peak_rss_mb
+
     gc.collect()
     n = graphs = 0
     for obj in gc.get_objects():
