@@ -323,6 +323,9 @@ class RealmParams(_Section):
     max_masks: int = Field(ge=1)
     random_mask_ratio: float = Field(gt=0, lt=1)
     refresh_every: int = Field(ge=0, description="optimiser steps between index refreshes; 0 = never")
+    stale_factor: int = Field(ge=0, description="the stale arm (`pretrain_realm@stale`, REALM's stale-MIPS ablation) "
+                              "refreshes stale_factor times less often than refresh_every (paper: 30); 0 = never "
+                              "after its first index")
     refresh_mode: Literal["async", "sync"]
     index_type: Literal["auto", "flat", "ivf", "hnsw"]
     index_auto_flat_max: int = Field(ge=1, description="auto: flat up to this many blocks (CPU), then ivf; bench/bench_index.py measured the switch")
@@ -358,7 +361,17 @@ class RealmParams(_Section):
     # the paper's lr 3e-5: with more, updates from queries no other block answers undo the retriever's gain
     train: RealmTrainParams
 
+    def for_arm(self, arm: str) -> "RealmParams":
+        """The params one `pretrain_realm@<arm>` run trains with: `refreshed` as written; `stale`
+        identical but for its refresh cadence (`refresh_every * stale_factor`, 0 = never)."""
+        if arm == "refreshed":
+            return self
+        if arm == "stale":
+            return self.model_copy(update={"refresh_every": self.refresh_every * self.stale_factor})
+        raise ValueError(f"REALM arm {arm!r}: expected one of {REALM_ARMS}")
 
+
+REALM_ARMS = ("refreshed", "stale")  # the `pretrain_realm@<arm>` stages
 RetrievalStart = Literal["init", "mlm", "retromae", "realm", "pretrained"]
 QASystem = Literal["closed-book", "bm25", "realm", "realm-stale"]
 
@@ -369,6 +382,9 @@ class FinetuneParams(_Section):
     retrieval_inits: list[RetrievalStart] = Field(min_length=1, description="encoders to fine-tune from (`realm` = "
                                                   "REALM's query tower); `pretrained` = retrieval_pretrained_path")
     retrieval_pretrained_path: str | None
+    train_sizes: list[int | Literal["all"]] = Field(min_length=1, description="training questions per fine-tune "
+                                                    "(a nested, seeded subset); one `finetune_retriever@<start>-<size>` "
+                                                    "stage each; the largest is the `ft:<start>` row")
     # REALM's question: the same reader recipe over each system's own top-k -> models/finetune/open_qa/<name>/
     qa_systems: list[QASystem] = Field(description="open-QA retrieval systems, each with its own reader")
     temperature: float = Field(gt=0)
@@ -406,8 +422,12 @@ class FinetuneParams(_Section):
         for key, names in (("retrieval_inits", self.retrieval_inits), ("qa_systems", self.qa_systems)):
             if len(set(names)) != len(names):
                 raise ValueError(f"finetune.{key}={names}: each name at most once (one output folder each)")
-        if "pretrained" in self.retrieval_inits and not self.retrieval_pretrained_path:
-            raise ValueError("finetune.retrieval_inits has `pretrained`: set finetune.retrieval_pretrained_path")
+        if "pretrained" in self.retrieval_inits:  # each start is a `finetune_retriever@<start>-<size>` stage on models/<start>
+            raise ValueError("finetune.retrieval_inits has `pretrained`: no stage writes models/pretrained, so it cannot be a "
+                             "finetune_retriever stage of dvc.yaml; drop it (the warm-start:* row is the off-the-shelf reference)")
+        sizes = [s for s in self.train_sizes if s != "all"]
+        if len(set(map(str, self.train_sizes))) != len(self.train_sizes) or any(s < 1 for s in sizes):
+            raise ValueError(f"finetune.train_sizes={self.train_sizes}: distinct sizes >= 1, or `all`")
         if self.qa_retrieval_beam < self.qa_top_k:
             raise ValueError(f"finetune.qa_retrieval_beam={self.qa_retrieval_beam} < qa_top_k={self.qa_top_k}: "
                              "the reader reads the first qa_top_k of the beam")

@@ -129,7 +129,7 @@ def base(tmp_path_factory) -> Path:
     from components.config import load_params
 
     ws = make_workspace(tmp_path_factory.mktemp("stage_kills") / "ws", OVERRIDES)
-    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "retromae/init_encoder", "mlm/encoder"))
+    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "init/encoder", "mlm/encoder"))
     MlflowClient(f"sqlite:///{ws}/mlflow.db").search_experiments()
     return ws
 
