@@ -417,6 +417,10 @@ class FinetuneParams(_Section):
     train: TrainParams
     qa_train: TrainParams
 
+    def largest_size(self) -> int | str:
+        """The largest of `train_sizes` (`all` above any number): the size of the `ft:<start>` row."""
+        return "all" if "all" in self.train_sizes else max(self.train_sizes)
+
     @model_validator(mode="after")
     def _check(self) -> "FinetuneParams":
         for key, names in (("retrieval_inits", self.retrieval_inits), ("qa_systems", self.qa_systems)):

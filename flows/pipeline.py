@@ -99,30 +99,40 @@ def plan(target: str | None = None, upto: str | None = None, only: str | None = 
 
     target: it and what follows it (`dvc repro --downstream`); upto: it and what it needs
     (`dvc repro upto`); both: the stages between; only: that stage (`dvc repro --single-item`).
+    Each may name one stage (`finetune_retriever@retromae-32`) or a foreach / matrix group
+    (`finetune_retriever`: every `finetune_retriever@*`), as `dvc repro` takes either.
     """
     from dvc.repo import Repo
     from dvc.repo.reproduce import plan_repro
 
     with Repo() as repo:
         graph = repo.index.graph
-        by_name = {s.addressing: s for s in repo.index.stages}
-        for name in (target, only, upto):
-            if name and name not in by_name:
-                raise ValueError(f"unknown stage {name!r}; stages: {sorted(by_name)}")
+        stages = repo.index.stages
+
+        def members(name: str) -> list:
+            found = [s for s in stages if s.addressing == name or s.addressing.startswith(name + "@")]
+            if not found:
+                raise ValueError(f"unknown stage {name!r}; stages: {sorted(s.addressing for s in stages)}")
+            return found
+
+        picked_only = members(only) if only else None
+        for name in (target, upto):
+            if name:
+                members(name)
         if only and (target or upto):
             raise ValueError("`only` runs one stage; it cannot be combined with `target` or `upto`")
-        if only:
-            return [only]
         order = [s.addressing for s in plan_repro(graph)]
+        if picked_only is not None:
+            return [s for s in order if s in {m.addressing for m in picked_only}]
         picked = set(order)
         if target:
-            picked &= {s.addressing for s in plan_repro(graph, [by_name[target]], downstream=True)}
+            picked &= {s.addressing for s in plan_repro(graph, members(target), downstream=True)}
         if upto:
-            picked &= {s.addressing for s in plan_repro(graph, [by_name[upto]])}
-    stages = [s for s in order if s in picked]
-    if not stages:
+            picked &= {s.addressing for s in plan_repro(graph, members(upto))}
+    out = [s for s in order if s in picked]
+    if not out:
         raise ValueError(f"no stage is both downstream of {target!r} and upstream of {upto!r}")
-    return stages
+    return out
 
 
 def dvc_env() -> dict[str, str]:
@@ -258,7 +268,7 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
     result: dict[str, str] = {}
     try:
         for stage in stages:
-            result[stage] = repro_stage(stage, force=(stage == target))
+            result[stage] = repro_stage(stage, force=(stage == target or stage.startswith(f"{target}@")))
         if changes or name:
             if missing := missing_outputs():
                 get_run_logger().warning(
@@ -296,9 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (repeatable), like dvc exp run -S")
     ap.add_argument("--preset", help="a params/ preset written into params.yaml first: paper, small, or a path")
     ap.add_argument("--name", help="experiment name for dvc exp save (saved whenever params are set)")
-    ap.add_argument("--target", choices=STAGES, help="rerun this stage and what depends on it")
-    ap.add_argument("--only", choices=STAGES, help="run just this stage (if stale)")
-    ap.add_argument("--upto", choices=STAGES, help="run this stage and what it depends on, nothing downstream")
+    groups = ", ".join(STAGES)
+    ap.add_argument("--target", help=f"rerun this stage and what depends on it ({groups}, or one <group>@<item>)")
+    ap.add_argument("--only", help="run just this stage, or every stage of a group (if stale)")
+    ap.add_argument("--upto", help="run this stage and what it depends on, nothing downstream")
     ap.add_argument("--push", action="store_true", help="dvc push after a successful run")
     args = ap.parse_args(argv)
     with local_prefect_api():

@@ -77,6 +77,16 @@ def repo_root() -> Path:
     return ROOT
 
 
+def dvc_stages(root: Path = ROOT) -> dict[str, dict]:
+    """dvc.yaml's stages as DVC resolves them (`foreach` / `matrix` expanded into `<group>@<item>`,
+    `${...}` filled in from params.yaml), in file order."""
+    from dvc.dvcfile import load_file
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return load_file(repo, "dvc.yaml").resolver.resolve()["stages"]
+
+
 def make_workspace(dest: Path, overrides: dict | None = None) -> Path:
     """A throwaway copy of this repo (tracked + untracked-not-ignored files, and .dvc/), as a fresh
     git repo with tiny params: what a user's clone looks like, without touching this checkout."""

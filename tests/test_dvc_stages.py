@@ -12,7 +12,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from components import paths
-from tests.conftest import make_workspace
+from components.config import load_params
+from tests.conftest import dvc_stages, make_workspace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,25 +37,29 @@ def _names(entries) -> list[str]:
 def test_dvc_yaml_names_the_folders_of_components_paths():
     from flows._runtime import STAGES
 
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    raw = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     # source_digest is no flow: it records the content behind data.path for prepare_corpus
-    assert list(stages)[0] == "source_digest" and stages["source_digest"]["always_changed"]
-    stages = {k: v for k, v in stages.items() if k != "source_digest"}
-    assert list(stages) == STAGES == list(paths.STAGE_OUTS)
-    produced = [str(p) for outs in paths.STAGE_OUTS.values() for p in outs]
+    assert list(raw)[0] == "source_digest" and raw["source_digest"]["always_changed"]
+    assert [k for k in raw if k != "source_digest"] == STAGES
+    stages = {k: v for k, v in dvc_stages().items() if k != "source_digest"}
+    assert {k.partition("@")[0] for k in stages} == set(STAGES)
+    assert {"pretrain_realm@refreshed", "pretrain_realm@stale", "finetune_retriever@retromae-32", "finetune_retriever@init-all",
+            "finetune_reader@bm25", "finetune_reader@realm", "finetune_reader@realm-stale"} <= set(stages)
+    produced = [str(p) for name in stages for p in paths.stage_outs(name)]
     for name, spec in stages.items():
         # the stage summaries and plot tables are plain files beside the cached outputs (cache: false)
         cached = [o for o in spec.get("outs", []) if not (isinstance(o, dict) and next(iter(o.values())).get("cache") is False)]
-        assert _names(cached) == [str(p) for p in paths.STAGE_OUTS[name]], name
+        assert _names(cached) == [str(p) for p in paths.stage_outs(name)], name
         for dep in _names(spec.get("deps")):
             if dep.split("/")[0] in ("components", "flows"):
                 assert (ROOT / dep).exists(), f"{name}: dep {dep} does not exist"
-            elif dep != "data/source.json":  # a DAG folder: another stage's output, or a folder inside one
-                assert any(dep == o or dep.startswith(o + "/") for o in produced), f"{name}: {dep} is no stage's output"
+            elif dep != "data/source.json":  # a DAG folder: another stage's output, one inside one, or one holding several
+                assert any(dep == o or dep.startswith(o + "/") or o.startswith(dep + "/") for o in produced), \
+                    f"{name}: {dep} is no stage's output"
         uncached = _names(o for o in spec.get("outs", []) if o not in cached)
         assert all(Path(f).parent in (paths.METRICS, paths.PLOTS) for f in uncached), (name, uncached)
-        if name in ("pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune"):
-            assert str(paths.stage_metrics(name)) in uncached, name
+        if name.startswith(("pretrain_retromae", "pretrain_mlm", "finetune_")) or name == "pretrain_realm@refreshed":
+            assert str(paths.stage_metrics(name.replace("pretrain_realm@refreshed", "pretrain_realm"))) in uncached, name
         assert _names(spec.get("metrics")) == (["metrics/headline"] if name == "evaluate" else []), name
 
 
@@ -94,10 +99,15 @@ def test_the_pipeline_flow_plans_with_dvcs_own_planner():
     from flows.pipeline import plan
 
     with contextlib.chdir(ROOT):
-        assert plan(upto="pretrain_realm") == ["source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_realm"]
-        assert plan(target="pretrain_mlm") == ["pretrain_mlm", "finetune", "evaluate"]
-        assert plan(target="tokenize", upto="pretrain_realm") == ["tokenize", "pretrain_retromae", "pretrain_realm"]
+        realm = ["pretrain_realm@refreshed", "pretrain_realm@stale"]  # a foreach group names both arms
+        assert plan(upto="pretrain_realm") == ["source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", *realm]
+        assert plan(upto="pretrain_realm@stale") == ["source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", realm[1]]
+        # an MLM change reruns the MLM fine-tunes and evaluate, nothing of RetroMAE, init or REALM
+        sizes = load_params(ROOT / "params.yaml").finetune.train_sizes
+        assert plan(target="pretrain_mlm") == ["pretrain_mlm", *(f"finetune_retriever@mlm-{n}" for n in sizes), "evaluate"]
+        assert plan(target="tokenize", upto="pretrain_realm") == ["tokenize", "pretrain_retromae", *realm]
         assert plan(only="tokenize") == ["tokenize"]
+        assert plan(only="finetune_reader") == ["finetune_reader@bm25", "finetune_reader@realm", "finetune_reader@realm-stale"]
         assert plan()[:2] == ["source_digest", "prepare_corpus"] and plan()[-1] == "evaluate"
         with pytest.raises(ValueError, match="unknown stage"):
             plan(target="nope")
@@ -112,13 +122,14 @@ def test_missing_outputs_names_what_a_partial_run_leaves_out(tmp_path):
 
     from flows.pipeline import missing_outputs
 
-    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    for f in ("dvc.yaml", "params.yaml"):  # the matrix stages' items come from params.yaml
+        shutil.copy(ROOT / f, tmp_path / f)
     subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
-    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    spec = dvc_stages(tmp_path)
     declared = {s: _names(spec[s].get("outs")) + _names(spec[s].get("metrics")) + _names(spec[s].get("plots")) for s in spec}
     with contextlib.chdir(tmp_path):
         assert missing_outputs() == {s: d for s, d in declared.items() if d}
-        for stage in ("source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_realm"):
+        for stage in ("source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_realm@refreshed", "pretrain_realm@stale"):
             for out in map(Path, declared[stage]):
                 if out.suffix:  # a file: data/source.json, metrics/<stage>.json, plots/*.csv
                     out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,5 +137,6 @@ def test_missing_outputs_names_what_a_partial_run_leaves_out(tmp_path):
                 else:
                     out.mkdir(parents=True)
         left = missing_outputs()
-        assert set(left) == {"pretrain_mlm", "finetune", "evaluate"}
+        assert {s.partition("@")[0] for s in left} == {"pretrain_mlm", "finetune_retriever", "finetune_reader", "evaluate"}
+        assert "finetune_retriever@init-all" in left and "pretrain_realm@stale" not in left
         assert "models/mlm" in left["pretrain_mlm"]

@@ -17,6 +17,10 @@ from components.training.memory import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
+# the item of a foreach / matrix stage (`retromae-32` of `finetune_retriever@retromae-32`): its flow
+# sets it, and torchrun's ranks inherit it
+ENV_STAGE_ITEM = "RR_STAGE_ITEM"
+
 
 def corpus_digest(corpus_dir: str | os.PathLike = CORPUS) -> str:
     card = Path(corpus_dir) / "data_card.json"
