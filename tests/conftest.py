@@ -51,6 +51,7 @@ TINY = {
     "realm.train.max_steps": 4,
     "realm.train.batch_size": 2,
     "realm.train.checkpoint_every": 2,
+    "finetune.train_sizes": ["all"],  # one finetune_retriever stage per start (test_eval_table runs a curve)
     "finetune.train.max_steps": 4,
     "finetune.train.batch_size": 4,
     "finetune.qa_train.max_steps": 2,
