@@ -85,7 +85,7 @@ def dvc_stages(root: Path = ROOT) -> dict[str, dict]:
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:
-        return load_file(repo, "dvc.yaml").resolver.resolve()["stages"]
+        return load_file(repo, os.path.join(repo.root_dir, "dvc.yaml")).resolver.resolve()["stages"]
 
 
 def make_workspace(dest: Path, overrides: dict | None = None) -> Path:
