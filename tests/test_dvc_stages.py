@@ -2,6 +2,7 @@
 and changing a `tokenize.*` param reruns only `tokenize` (and what follows), never prepare_corpus.
 `dvc.yaml` and `components/paths.py` name the same folders."""
 
+import json
 import os
 import subprocess
 import sys
@@ -140,3 +141,29 @@ def test_missing_outputs_names_what_a_partial_run_leaves_out(tmp_path):
         assert {s.partition("@")[0] for s in left} == {"pretrain_mlm", "finetune_retriever", "finetune_reader", "evaluate"}
         assert "finetune_retriever@init-all" in left and "pretrain_realm@stale" not in left
         assert "models/mlm" in left["pretrain_mlm"]
+
+
+@pytest.mark.slow
+def test_matrix_stages_run_through_dvc_each_as_its_own_mlflow_run(tmp_path, shared_prefect_api):
+    """`dvc repro --single-item <group>@<item>` runs the item's flow (`--item` / the arm from the
+    stage name), which writes that item's outputs only and opens an MLflow run named by the stage."""
+    from components.config import load_params
+    from tests.conftest import build_data_and_encoders
+
+    ws = make_workspace(tmp_path / "ws")
+    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "init/encoder", "mlm/encoder"))
+    (ws / "models/realm").mkdir(parents=True)  # a stand-in dep: the BM25 reader starts from RetroMAE without REALM
+    (ws / "models/realm/README").write_text("stand-in\n")
+    uri = f"sqlite:///{ws}/mlflow.db"
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_api, "MLFLOW_TRACKING_URI": uri, "RR_PARENT_RUN_ID": ""}
+    for stage in ("finetune_retriever@init-all", "finetune_reader@bm25"):
+        assert _ran(_repro(ws, env, "--single-item", stage)) == {stage}
+    assert (ws / paths.retriever_out("init", "all") / "config.json").exists()
+    assert not (ws / paths.retriever_out("mlm", "all")).exists()  # one item, one output
+    assert (ws / paths.reader_out("bm25") / "openqa_config.json").exists()
+    assert json.loads((ws / paths.stage_metrics("finetune_retriever@init-all")).read_text())["size"] == "all"
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("retro-realm")
+    stages = {r.data.tags["dvc.stage"]: r for r in client.search_runs([exp.experiment_id])}
+    assert {"finetune_retriever@init-all", "finetune_reader@bm25"} <= set(stages)
+    assert all(stages[s].info.status == "FINISHED" for s in ("finetune_retriever@init-all", "finetune_reader@bm25"))
