@@ -25,10 +25,8 @@ import datasets
 from components.config import Params
 from components.data.finetune_data import load_qa
 from components.data.tokenize import load_tokenizer
-from components.io import write_text_atomic
-from components.paths import CORPUS, TOKENS, reader_out, stage_metrics
-from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
-from components.training import distributed as D
+from components.paths import CORPUS, TOKENS, reader_out
+from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, skip_stage
 from components.training.finetune import READER_SECTIONS, new_reader, qa_inputs_exist, train_gold_reader, train_reader
 from components.training.trainer import prefixed
 
@@ -56,11 +54,7 @@ def finetune_reader(params: Params, run=None, item: str | None = None) -> dict:
     qa = load_qa(CORPUS, "train")
     skip = _skip_reason(ft, system, qa)
     if skip:
-        log.warning("%s: skipped: %s", stage, skip)
-        if D.is_rank0():
-            write_text_atomic(out / "SKIPPED", skip + "\n")
-            return write_stage_metrics(stage_metrics(stage), {"skipped": skip})
-        return {"skipped": skip}
+        return skip_stage(stage, out, skip)
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
     blocks = datasets.load_from_disk(str(TOKENS / "blocks"))
     log_fn = RankZeroLogger(run)
@@ -70,15 +64,11 @@ def finetune_reader(params: Params, run=None, item: str | None = None) -> dict:
     model, result = train_reader(params, tokenizer, system, blocks, qa, reader,
                                  checkpoint_dir(f"finetune_qa_{system}", params, READER_SECTIONS), prefixed(log_fn, f"qa.{system}."))
     summary = {**summary, "qa_questions": len(qa), "steps": result.step, **{f"final_{k}": v for k, v in result.metrics.items()}}
-    if D.is_rank0():
-        model.save_pretrained(out, tokenizer)
-        summary = write_stage_metrics(stage_metrics(stage), summary)
-    D.barrier()
-    return summary
+    return finish_stage(stage, summary, lambda: model.save_pretrained(out, tokenizer))
 
 
 def main() -> None:
-    torchrun_worker(f"{GROUP}@{os.environ[ENV_STAGE_ITEM]}", finetune_reader)
+    item_worker(GROUP, finetune_reader)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,9 @@ import os
 from components.config import Params
 from components.data.finetune_data import load_corpus, load_pairs
 from components.data.tokenize import load_tokenizer
-from components.io import write_text_atomic
-from components.paths import CORPUS, TOKENS, retriever_out, stage_metrics
+from components.paths import CORPUS, TOKENS, retriever_out
 from components.retrieval.negatives import mine_bm25_negatives
-from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
-from components.training import distributed as D
+from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, skip_stage
 from components.training.finetune import START_SECTIONS, retrieval_start_folder, size_subset, train_biencoder
 from components.training.trainer import prefixed
 
@@ -49,11 +47,7 @@ def finetune_retriever(params: Params, run=None, item: str | None = None) -> dic
     skip = ("no training questions in data/corpus/beir/qrels/train.tsv" if not pairs else
             f"no encoder at {folder} (its stage did not train one)" if not (folder / "config.json").exists() else None)
     if skip:
-        log.warning("%s: skipped: %s", stage, skip)
-        if D.is_rank0():
-            write_text_atomic(out / "SKIPPED", skip + "\n")
-            return write_stage_metrics(stage_metrics(stage), {"skipped": skip})
-        return {"skipped": skip}
+        return skip_stage(stage, out, skip)
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
     corpus = load_corpus(CORPUS)
     rows = size_subset(pairs, size, params.compute.seed)
@@ -64,15 +58,11 @@ def finetune_retriever(params: Params, run=None, item: str | None = None) -> dic
     log.info("%s from %s on %d questions: %s", stage, folder, len(rows), result.metrics)
     summary = {"start": str(folder), "start_sha256": start_sha, "size": str(size), "questions": len(rows),
                "steps": result.step, **{f"final_{k}": v for k, v in result.metrics.items()}}
-    if D.is_rank0():
-        model.save_pretrained(out, tokenizer, max_seq_length=ft.passage_len)
-        summary = write_stage_metrics(stage_metrics(stage), summary)
-    D.barrier()
-    return summary
+    return finish_stage(stage, summary, lambda: model.save_pretrained(out, tokenizer, max_seq_length=ft.passage_len))
 
 
 def main() -> None:
-    torchrun_worker(f"{GROUP}@{os.environ[ENV_STAGE_ITEM]}", finetune_retriever)
+    item_worker(GROUP, finetune_retriever)
 
 
 if __name__ == "__main__":
