@@ -167,3 +167,48 @@ def test_matrix_stages_run_through_dvc_each_as_its_own_mlflow_run(tmp_path, shar
     stages = {r.data.tags["dvc.stage"]: r for r in client.search_runs([exp.experiment_id])}
     assert {"finetune_retriever@init-all", "finetune_reader@bm25"} <= set(stages)
     assert all(stages[s].info.status == "FINISHED" for s in ("finetune_retriever@init-all", "finetune_reader@bm25"))
+
+
+def test_concurrent_plan_waits_only_for_the_stages_a_stage_needs():
+    import contextlib
+
+    from flows.pipeline import plan, upstream_in
+
+    with contextlib.chdir(ROOT):
+        stages = plan()
+        needs = upstream_in(stages)
+    assert needs["prepare_corpus"] == {"source_digest"}
+    assert needs["finetune_retriever@init-32"] == {"source_digest", "prepare_corpus", "tokenize", "pretrain_retromae"}
+    assert needs["finetune_reader@realm-stale"] >= {"pretrain_realm@stale"} and "pretrain_realm@refreshed" not in needs["finetune_reader@realm-stale"]
+    assert "pretrain_realm@refreshed" not in needs["pretrain_realm@stale"]  # the two arms run side by side
+    assert needs["evaluate"] == set(stages) - {"evaluate"}
+    with contextlib.chdir(ROOT):  # a partial plan: only the stages in it are waited for
+        assert upstream_in(["pretrain_mlm", "finetune_retriever@mlm-32"]) == {"pretrain_mlm": set(),
+                                                                            "finetune_retriever@mlm-32": {"pretrain_mlm"}}
+
+
+@pytest.mark.slow
+def test_pipeline_concurrency_runs_independent_stages_side_by_side_and_records_them(tmp_path, shared_prefect_api):
+    """`--concurrency 2`: the fine-tunes of a group run two at a time (their MLflow runs overlap),
+    and each is in dvc.lock afterwards, so `dvc status` calls them up to date."""
+    from components.config import load_params
+    from tests.conftest import build_data_and_encoders
+
+    ws = make_workspace(tmp_path / "ws", {"finetune.retrieval_inits": ["init", "mlm", "retromae"]})
+    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "init/encoder", "mlm/encoder"))
+    uri = f"sqlite:///{ws}/mlflow.db"
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_api, "MLFLOW_TRACKING_URI": uri, "RR_PARENT_RUN_ID": "",
+           "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
+    out = subprocess.run([sys.executable, "-m", "flows.pipeline", "--only", "finetune_retriever", "--concurrency", "2"], cwd=ws,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    stages = [f"finetune_retriever@{s}-all" for s in ("init", "mlm", "retromae")]
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    assert set(stages) <= set(lock)
+    status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json", *stages], cwd=ws, env=env, capture_output=True, text=True)
+    assert json.loads(status.stdout or "{}") == {}, status.stdout
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("retro-realm")
+    runs = {r.data.tags["dvc.stage"]: r.info for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("dvc.stage") in stages}
+    spans = sorted((i.start_time, i.end_time) for i in runs.values())
+    assert len(spans) == 3 and spans[1][0] < spans[0][1], spans  # the second started before the first ended
