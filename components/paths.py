@@ -25,9 +25,8 @@ REALM_OUT = MODELS / "realm"                   # pretrain_realm@refreshed: retri
 REALM_STALE_OUT = MODELS / "realm-stale"       # pretrain_realm@stale: the same, refreshed realm.stale_factor x less often
 REALM_ARM_OUT = {"refreshed": REALM_OUT, "stale": REALM_STALE_OUT}
 REALM_SYSTEM_OUT = {"realm": REALM_OUT, "realm-stale": REALM_STALE_OUT}  # zero-shot / open-QA system -> its arm
-FINETUNE_OUT = MODELS / "finetune"             # retriever/<start>-<size>/, qa_gold/, open_qa/<system>/
+FINETUNE_OUT = MODELS / "finetune"             # retriever/<start>-<size>/, open_qa/<system>/
 FINETUNE_RETRIEVERS = FINETUNE_OUT / "retriever"  # finetune_retriever@<start>-<size>: one bi-encoder each
-FINETUNE_QA_GOLD = FINETUNE_OUT / "qa_gold"       # finetune_reader_gold: the reader after its own-paragraph phase
 FINETUNE_OPEN_QA = FINETUNE_OUT / "open_qa"       # finetune_reader@<system>: one retriever + reader each
 METRICS = Path("metrics")
 PLOTS = Path("plots")
@@ -58,7 +57,7 @@ def stage_outs(stage: str) -> list[Path]:
     if group == "finetune_reader":
         return [reader_out(item)]
     return {"prepare_corpus": [CORPUS], "tokenize": [TOKENS], "pretrain_retromae": [RETROMAE_OUT, INIT_OUT],
-            "pretrain_mlm": [MLM_OUT], "finetune_reader_gold": [FINETUNE_QA_GOLD], "evaluate": [METRICS / "eval"]}[group]
+            "pretrain_mlm": [MLM_OUT], "evaluate": [METRICS / "eval"]}[group]
 
 
 def stage_metrics(stage: str) -> Path:

@@ -234,12 +234,11 @@ def run_concurrently(stages: list[str], concurrency: int, force: set[str]) -> di
     pending = list(stages)
     failed: BaseException | None = None
     while (pending and failed is None) or running:
-        for stage in [s for s in pending if needs[s] <= set(result)][: max(0, concurrency - len(running))]:
-            if failed is not None:
-                break
+        ready = [s for s in pending if needs[s] <= set(result)] if failed is None else []
+        for stage in ready[: concurrency - len(running)]:
             pending.remove(stage)
             running[stage] = run_stage_concurrently.submit(stage, force=stage in force)
-        done = [s for s, f in running.items() if f.state.is_final()]
+        done = [s for s, f in running.items() if f.wrapped_future.done()]  # local; `state` asks the API, which lags
         for stage in done:
             future = running.pop(stage)
             try:

@@ -52,6 +52,11 @@ def test_a_reader_param_dirties_the_readers_only(ws, key, value, evaluate_reads_
     assert _stale(ws) == READERS | ({"evaluate"} if evaluate_reads_it else set())
 
 
+def test_a_new_training_size_adds_its_stages_and_reruns_no_other_fine_tune(ws):
+    _set(ws, finetune__train_sizes=[8, 16, "all"])
+    assert _stale(ws) == {*(f"finetune_retriever@{s}-16" for s in STARTS), "evaluate"}  # evaluate: the table gains rows
+
+
 def test_a_retriever_param_dirties_the_retriever_fine_tunes_only(ws):
     _set(ws, finetune__train__lr=0.0009)
     assert _stale(ws) == RETRIEVERS
