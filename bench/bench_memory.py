@@ -5,7 +5,7 @@
     python -m bench.bench_memory --preset tiny --arms glibc --steps 1000 --workdir /tmp/bm_glibc   # arms side by side
     python -m bench.bench_memory --collect bench/results/memory_tiny_auto.json bench/results/memory_tiny_glibc.json
 
-Each arm runs the real pipeline (`flows.pipeline --upto finetune`, so every stage goes through
+Each arm runs the real pipeline (`flows.pipeline --upto finetune_reader@realm`, so every stage goes through
 `dvc repro` and scripts/py) in its own clone of HEAD, with the loops' step counts raised:
 - `glibc`: RR_ALLOCATOR=system and compute.malloc_trim_every=0, the allocator as it was;
 - `auto`: scripts/py's default (mimalloc from the lock) and the Trainer's glibc fallback as params say;
