@@ -5,7 +5,7 @@
     python -m bench.bench_memory --preset tiny --arms glibc --steps 1000 --workdir /tmp/bm_glibc   # arms side by side
     python -m bench.bench_memory --collect bench/results/memory_tiny_auto.json bench/results/memory_tiny_glibc.json
 
-Each arm runs the real pipeline (`flows.pipeline --upto finetune`, so every stage goes through
+Each arm runs the real pipeline (`flows.pipeline --upto finetune_reader@realm`, so every stage goes through
 `dvc repro` and scripts/py) in its own clone of HEAD, with the loops' step counts raised:
 - `glibc`: RR_ALLOCATOR=system and compute.malloc_trim_every=0, the allocator as it was;
 - `auto`: scripts/py's default (mimalloc from the lock) and the Trainer's glibc fallback as params say;
@@ -39,7 +39,9 @@ from bench.workspace import fresh_clone  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
-STAGES = ("prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune")
+# the stages measured (one start, one size and one open-QA system stand for the fine-tunes: step_overrides)
+STAGES = ("prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm@refreshed",
+          "finetune_retriever@retromae-all", "finetune_reader@realm")
 ARMS = {"glibc": ({"RR_ALLOCATOR": "system"}, ["compute.malloc_trim_every=0"]),
         "auto": ({}, []),
         "glibc+trim": ({"RR_ALLOCATOR": "system"}, [])}
@@ -54,7 +56,7 @@ def step_overrides(preset: str, steps: int, realm_steps: int) -> list[str]:
         return ["tracking.log_every=1"]
     sets = [f"retromae.train.max_steps={steps}", f"realm.train.max_steps={realm_steps}",
             f"realm.reader_warmup_steps={steps}", f"finetune.train.max_steps={steps}",
-            f"finetune.qa_train.max_steps={steps}", "finetune.retrieval_inits=[retromae]",
+            f"finetune.qa_train.max_steps={steps}", "finetune.retrieval_inits=[retromae]", "finetune.train_sizes=[all]",
             "finetune.qa_systems=[realm]", "tracking.log_every=1",
             f"retromae.train.checkpoint_every={max(50, steps // 4)}", f"realm.train.checkpoint_every={max(20, realm_steps // 4)}",
             f"finetune.train.checkpoint_every={max(50, steps // 4)}", f"finetune.qa_train.checkpoint_every={max(50, steps // 4)}"]
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="tiny", help="tiny (params.yaml as is) or a params/ preset")
     ap.add_argument("--steps", type=int, default=2000, help="steps of every loop but REALM's own training; 0: the preset's")
     ap.add_argument("--realm-steps", type=int, default=None, help="REALM's training steps (default: --steps)")
-    ap.add_argument("--upto", default="finetune", choices=STAGES[2:], help="the last stage run")
+    ap.add_argument("--upto", default="finetune_reader@realm", choices=STAGES[2:], help="the last stage run")
     ap.add_argument("--arms", nargs="+", default=["glibc", "auto"], choices=list(ARMS))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_memory"))
     ap.add_argument("--collect", nargs="*", type=Path, default=None,

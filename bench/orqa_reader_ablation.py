@@ -2,9 +2,10 @@
 readers fine-tuned and evaluated once per variant, paired tests over the dev questions.
 
 A variant is a name and dotted `finetune.*` overrides; the first is the baseline the others are
-compared with. Each variant runs the finetune stage's reader half (`finetune_readers`: the shared
-own-paragraph phase, then one reader per `finetune.qa_systems` entry over its own retrieval) and
-the evaluate stage's open-QA half (`qa_rows`), in the workspace, exactly as the pipeline runs them.
+compared with. Each variant runs the `finetune_reader@<system>` stage body for every
+`finetune.qa_systems` entry (the own-paragraph phase, then the reader over its own retrieval) and
+the evaluate stage's open-QA rows (`components.eval.rows.qa_rows`), in the workspace, exactly as
+the pipeline runs them.
 
     # a workspace with the pre-trained models, dev split (the test split is never read here);
     # the small preset's corpus ships in the clone (corpora/squad-v1.1-dev-a0-11):
@@ -69,14 +70,14 @@ def run_variant(name: str, overrides: dict, systems: list[str], scratch: Path) -
     from components.data.tokenize import load_tokenizer
     from components.eval.comparisons import per_query_path, read_per_query
     from components.paths import FINETUNE_OPEN_QA, TOKENS
-    from components.stages.evaluate import eval_sets, qa_rows
-    from components.stages.finetune import finetune_readers
+    from components.eval.rows import eval_sets, qa_rows
+    from components.stages.finetune_reader import finetune_reader
 
     params = load_params("params.yaml", overrides={**overrides, "finetune.qa_systems": systems, "evaluate.split": SPLIT})
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
     shutil.rmtree(FINETUNE_OPEN_QA, ignore_errors=True)  # no reader of an earlier variant is evaluated
     t0 = time.perf_counter()
-    summary = finetune_readers(params, None, tokenizer)
+    summary = {f"{s}.{k}": v for s in systems if s != "closed-book" for k, v in finetune_reader(params, None, s).items()}
     train_s = time.perf_counter() - t0
     main_set = eval_sets(params, tokenizer)[0]
     out_dir = scratch / name

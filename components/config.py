@@ -330,6 +330,9 @@ class RealmParams(_Section):
         description="which query tower embeds x for the top-k search: live (the one being trained, searching a doc "
         "index up to refresh_every steps old) or index_export (REALM's: the query tower of the snapshot that built "
         "the index, so both sides of the search are equally stale). p(z|x) is rescored with the live towers either way")
+    stale_factor: int = Field(ge=0, description="the stale arm (`pretrain_realm@stale`, REALM's stale-MIPS ablation) "
+                              "refreshes stale_factor times less often than refresh_every (paper: 30); 0 = never "
+                              "after its first index")
     refresh_mode: Literal["async", "sync"]
     index_type: Literal["auto", "flat", "ivf", "hnsw"]
     index_auto_flat_max: int = Field(ge=1, description="auto: flat up to this many blocks (CPU), then ivf; bench/bench_index.py measured the switch")
@@ -383,7 +386,17 @@ class RealmParams(_Section):
             raise ValueError(f"realm.span_min_other_blocks={lo} > realm.span_max_other_blocks={hi}: no span can be masked")
         return self
 
+    def for_arm(self, arm: str) -> "RealmParams":
+        """The params one `pretrain_realm@<arm>` run trains with: `refreshed` as written; `stale`
+        identical but for its refresh cadence (`refresh_every * stale_factor`, 0 = never)."""
+        if arm == "refreshed":
+            return self
+        if arm == "stale":
+            return self.model_copy(update={"refresh_every": self.refresh_every * self.stale_factor})
+        raise ValueError(f"REALM arm {arm!r}: expected one of {REALM_ARMS}")
 
+
+REALM_ARMS = ("refreshed", "stale")  # the `pretrain_realm@<arm>` stages
 RetrievalStart = Literal["init", "mlm", "retromae", "realm", "pretrained"]
 QASystem = Literal["closed-book", "bm25", "realm", "realm-stale"]
 
@@ -394,6 +407,9 @@ class FinetuneParams(_Section):
     retrieval_inits: list[RetrievalStart] = Field(min_length=1, description="encoders to fine-tune from (`realm` = "
                                                   "REALM's query tower); `pretrained` = retrieval_pretrained_path")
     retrieval_pretrained_path: str | None
+    train_sizes: list[int | Literal["all"]] = Field(min_length=1, description="training questions per fine-tune "
+                                                    "(a nested, seeded subset); one `finetune_retriever@<start>-<size>` "
+                                                    "stage each; the largest is the `ft:<start>` row")
     # REALM's question: the same reader recipe over each system's own top-k -> models/finetune/open_qa/<name>/
     qa_systems: list[QASystem] = Field(description="open-QA retrieval systems, each with its own reader")
     temperature: float = Field(gt=0)
@@ -426,13 +442,21 @@ class FinetuneParams(_Section):
     train: TrainParams
     qa_train: TrainParams
 
+    def largest_size(self) -> int | str:
+        """The largest of `train_sizes` (`all` above any number): the size of the `ft:<start>` row."""
+        return "all" if "all" in self.train_sizes else max(self.train_sizes)
+
     @model_validator(mode="after")
     def _check(self) -> "FinetuneParams":
         for key, names in (("retrieval_inits", self.retrieval_inits), ("qa_systems", self.qa_systems)):
             if len(set(names)) != len(names):
                 raise ValueError(f"finetune.{key}={names}: each name at most once (one output folder each)")
-        if "pretrained" in self.retrieval_inits and not self.retrieval_pretrained_path:
-            raise ValueError("finetune.retrieval_inits has `pretrained`: set finetune.retrieval_pretrained_path")
+        if "pretrained" in self.retrieval_inits:  # each start is a `finetune_retriever@<start>-<size>` stage on models/<start>
+            raise ValueError("finetune.retrieval_inits has `pretrained`: no stage writes models/pretrained, so it cannot be a "
+                             "finetune_retriever stage of dvc.yaml; drop it (the warm-start:* row is the off-the-shelf reference)")
+        sizes = [s for s in self.train_sizes if s != "all"]
+        if len(set(map(str, self.train_sizes))) != len(self.train_sizes) or any(s < 1 for s in sizes):
+            raise ValueError(f"finetune.train_sizes={self.train_sizes}: distinct sizes >= 1, or `all`")
         if self.qa_retrieval_beam < self.qa_top_k:
             raise ValueError(f"finetune.qa_retrieval_beam={self.qa_retrieval_beam} < qa_top_k={self.qa_top_k}: "
                              "the reader reads the first qa_top_k of the beam")

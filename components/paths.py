@@ -13,32 +13,54 @@ from pathlib import Path
 CORPUS = Path("data/corpus")                   # prepare_corpus: parquet + BEIR layout + qa
 TOKENS = Path("data/tokens")                   # tokenize: tokenizer, pre-training and retrieval blocks
 MODELS = Path("models")
-RETROMAE_OUT = MODELS / "retromae"             # pretrain_retromae: encoder/ (+ init_encoder/)
+RETROMAE_OUT = MODELS / "retromae"             # pretrain_retromae: encoder/
 RETROMAE_ENCODER = RETROMAE_OUT / "encoder"
-INIT_ENCODER = RETROMAE_OUT / "init_encoder"   # the encoder before pre-training (the `init` row)
+# pretrain_retromae's second out, the encoder before pre-training (the `init` row): apart from
+# models/retromae so that finetune_retriever@init-* does not depend on RetroMAE's training
+INIT_OUT = MODELS / "init"
+INIT_ENCODER = INIT_OUT / "encoder"
 MLM_OUT = MODELS / "mlm"                       # pretrain_mlm: encoder/
 MLM_ENCODER = MLM_OUT / "encoder"
-REALM_OUT = MODELS / "realm"                   # pretrain_realm: retriever/, knowledge_augmented_encoder/, index/
-FINETUNE_OUT = MODELS / "finetune"             # finetune: retriever/<start>/, open_qa/<system>/
-FINETUNE_RETRIEVERS = FINETUNE_OUT / "retriever"  # one fine-tuned bi-encoder per starting encoder
-FINETUNE_OPEN_QA = FINETUNE_OUT / "open_qa"       # one retriever + reader per open-QA system
+REALM_OUT = MODELS / "realm"                   # pretrain_realm@refreshed: retriever/, knowledge_augmented_encoder/, index/
+REALM_STALE_OUT = MODELS / "realm-stale"       # pretrain_realm@stale: the same, refreshed realm.stale_factor x less often
+REALM_ARM_OUT = {"refreshed": REALM_OUT, "stale": REALM_STALE_OUT}
+REALM_SYSTEM_OUT = {"realm": REALM_OUT, "realm-stale": REALM_STALE_OUT}  # zero-shot / open-QA system -> its arm
+FINETUNE_OUT = MODELS / "finetune"             # retriever/<start>-<size>/, open_qa/<system>/
+FINETUNE_RETRIEVERS = FINETUNE_OUT / "retriever"  # finetune_retriever@<start>-<size>: one bi-encoder each
+FINETUNE_OPEN_QA = FINETUNE_OUT / "open_qa"       # finetune_reader@<system>: one retriever + reader each
 METRICS = Path("metrics")
 PLOTS = Path("plots")
 # Outside DVC's outs, so a killed stage's checkpoints survive `dvc repro` resetting its outputs.
 CHECKPOINTS = Path(os.environ.get("RR_CHECKPOINT_ROOT", "checkpoints"))
 
-# What each dvc.yaml stage declares under `outs` (metrics and plots files aside).
-STAGE_OUTS: dict[str, list[Path]] = {
-    "prepare_corpus": [CORPUS],
-    "tokenize": [TOKENS],
-    "pretrain_retromae": [RETROMAE_OUT],
-    "pretrain_mlm": [MLM_OUT],
-    "pretrain_realm": [REALM_OUT],
-    "finetune": [FINETUNE_OUT],
-    "evaluate": [METRICS / "eval"],
-}
+
+
+def retriever_out(start: str, size: int | str) -> Path:
+    """finetune_retriever@<start>-<size>'s bi-encoder."""
+    return FINETUNE_RETRIEVERS / f"{start}-{size}"
+
+
+def reader_out(system: str) -> Path:
+    """finetune_reader@<system>'s retriever + reader."""
+    return FINETUNE_OPEN_QA / system
+
+
+# What each dvc.yaml stage declares under `outs` (metrics and plots files aside), by the stage's
+# name (`<group>@<item>` for a foreach / matrix stage).
+def stage_outs(stage: str) -> list[Path]:
+    group, _, item = stage.partition("@")
+    if group == "pretrain_realm":
+        return [REALM_ARM_OUT[item]]
+    if group == "finetune_retriever":
+        start, _, size = item.partition("-")
+        return [retriever_out(start, size)]
+    if group == "finetune_reader":
+        return [reader_out(item)]
+    return {"prepare_corpus": [CORPUS], "tokenize": [TOKENS], "pretrain_retromae": [RETROMAE_OUT, INIT_OUT],
+            "pretrain_mlm": [MLM_OUT], "evaluate": [METRICS / "eval"]}[group]
 
 
 def stage_metrics(stage: str) -> Path:
-    """metrics/<stage>.json: the stage summary that dvc.yaml declares as its metrics file."""
-    return METRICS / f"{stage}.json"
+    """metrics/<stage>.json: the stage summary that dvc.yaml declares as its metrics file (`@` -> `_`:
+    metrics/finetune_retriever_retromae-32.json)."""
+    return METRICS / f"{stage.replace('@', '_')}.json"

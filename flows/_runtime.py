@@ -21,7 +21,9 @@ from typing import Iterator
 
 from components.config import Params, load_params
 
-STAGES = ["prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune", "evaluate"]
+# dvc.yaml's stages; a foreach / matrix group (pretrain_realm, finetune_*) names all its `<group>@<item>` stages
+STAGES = ["prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune_retriever",
+          "finetune_reader", "evaluate"]
 
 log = logging.getLogger("retro_realm")
 

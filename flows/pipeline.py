@@ -27,12 +27,15 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from components.config import PARAMS_FILE, ParamsError, load_params
 from components.paths import METRICS
@@ -99,30 +102,53 @@ def plan(target: str | None = None, upto: str | None = None, only: str | None = 
 
     target: it and what follows it (`dvc repro --downstream`); upto: it and what it needs
     (`dvc repro upto`); both: the stages between; only: that stage (`dvc repro --single-item`).
+    Each may name one stage (`finetune_retriever@retromae-32`) or a foreach / matrix group
+    (`finetune_retriever`: every `finetune_retriever@*`), as `dvc repro` takes either.
     """
     from dvc.repo import Repo
     from dvc.repo.reproduce import plan_repro
 
     with Repo() as repo:
         graph = repo.index.graph
-        by_name = {s.addressing: s for s in repo.index.stages}
-        for name in (target, only, upto):
-            if name and name not in by_name:
-                raise ValueError(f"unknown stage {name!r}; stages: {sorted(by_name)}")
+        stages = repo.index.stages
+
+        def members(name: str) -> list:
+            found = [s for s in stages if s.addressing == name or s.addressing.startswith(name + "@")]
+            if not found:
+                raise ValueError(f"unknown stage {name!r}; stages: {sorted(s.addressing for s in stages)}")
+            return found
+
+        picked_only = members(only) if only else None
+        for name in (target, upto):
+            if name:
+                members(name)
         if only and (target or upto):
             raise ValueError("`only` runs one stage; it cannot be combined with `target` or `upto`")
-        if only:
-            return [only]
         order = [s.addressing for s in plan_repro(graph)]
+        if picked_only is not None:
+            return [s for s in order if s in {m.addressing for m in picked_only}]
         picked = set(order)
         if target:
-            picked &= {s.addressing for s in plan_repro(graph, [by_name[target]], downstream=True)}
+            picked &= {s.addressing for s in plan_repro(graph, members(target), downstream=True)}
         if upto:
-            picked &= {s.addressing for s in plan_repro(graph, [by_name[upto]])}
-    stages = [s for s in order if s in picked]
-    if not stages:
+            picked &= {s.addressing for s in plan_repro(graph, members(upto))}
+    out = [s for s in order if s in picked]
+    if not out:
         raise ValueError(f"no stage is both downstream of {target!r} and upstream of {upto!r}")
-    return stages
+    return out
+
+
+def upstream_in(stages: list[str]) -> dict[str, set[str]]:
+    """For each of `stages`: the stages among them it needs (DVC's graph, transitively, so a stage
+    left out of the plan does not hide an ordering), what `run_concurrently` waits for."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo() as repo:
+        graph = repo.index.graph  # edges point from a stage to the stages it depends on
+        by_name = {s.addressing: s for s in repo.index.stages}
+        wanted = set(stages)
+        return {s: {d.addressing for d in nx.descendants(graph, by_name[s])} & wanted for s in stages}
 
 
 def dvc_env() -> dict[str, str]:
@@ -158,6 +184,72 @@ def repro_stage(stage: str, force: bool = False) -> str:
     if rc != 0:
         raise RuntimeError(f"stage {stage} failed (dvc repro exit {rc}); see the log above")
     return "skipped" if any("didn't change, skipping" in line for line in lines) else "ran"
+
+
+# DVC takes a repo lock for `repro`, `status` and `commit`: the concurrent path runs the stage
+# commands side by side and keeps its own DVC calls one at a time.
+_DVC_LOCK = threading.Lock()
+
+
+@task(cache_policy=NO_CACHE, name="dvc-stage-concurrent", task_run_name="{stage}")
+def run_stage_concurrently(stage: str, force: bool = False) -> str:
+    """One stage beside others: `dvc status` says whether it is stale, its `cmd` runs outside DVC's
+    lock, then `dvc commit` records it in dvc.lock, as `dvc repro --single-item` would."""
+    with _DVC_LOCK:
+        rc, lines = _dvc("status", "--json", stage)
+        stale = force or rc != 0 or stage in json.loads("\n".join(lines) or "{}")
+        cmd = _stage_cmd(stage)
+    if not stale:
+        return "skipped"
+    logger = get_run_logger()
+    logger.info("$ %s", cmd)
+    proc = subprocess.Popen(cmd, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env=dvc_env())
+    for line in proc.stdout:
+        logger.info("%s", line.rstrip())
+    if proc.wait() != 0:
+        raise RuntimeError(f"stage {stage} failed (exit {proc.returncode}); see the log above")
+    with _DVC_LOCK:
+        rc, _ = _dvc("commit", "--force", stage)
+    if rc != 0:
+        raise RuntimeError(f"stage {stage} ran, but `dvc commit {stage}` failed (exit {rc}); run it by hand")
+    return "ran"
+
+
+def _stage_cmd(stage: str) -> str:
+    from dvc.repo import Repo
+
+    with Repo() as repo:
+        (found,) = [s for s in repo.index.stages if s.addressing == stage]
+        return found.cmd
+
+
+def run_concurrently(stages: list[str], concurrency: int, force: set[str]) -> dict[str, str]:
+    """Submit each stage as a Prefect task once every stage it needs has finished, at most
+    `concurrency` at a time: independent stages (the fine-tunes, the two REALM arms) run side by
+    side. The first failure stops new submissions and is raised when the running ones end."""
+    needs = upstream_in(stages)
+    result: dict[str, str] = {}
+    running: dict[str, Any] = {}
+    pending = list(stages)
+    failed: BaseException | None = None
+    while (pending and failed is None) or running:
+        ready = [s for s in pending if needs[s] <= set(result)] if failed is None else []
+        for stage in ready[: concurrency - len(running)]:
+            pending.remove(stage)
+            running[stage] = run_stage_concurrently.submit(stage, force=stage in force)
+        done = [s for s, f in running.items() if f.wrapped_future.done()]  # local; `state` asks the API, which lags
+        for stage in done:
+            future = running.pop(stage)
+            try:
+                result[stage] = future.result()
+            except BaseException as e:  # noqa: BLE001 - let the running stages end first
+                failed = failed or e
+        if not done:
+            time.sleep(0.2)
+    if failed is not None:
+        raise failed
+    return result
 
 
 @task(cache_policy=NO_CACHE, name="dvc-push", retries=2, retry_delay_seconds=[5, 30])
@@ -231,10 +323,10 @@ def publish_eval(params, parent: str) -> None:
         get_run_logger().warning("could not publish the eval table as Prefect artifacts: %s: %s", type(e).__name__, e)
 
 
-@flow(name="retro-realm", log_prints=True)
+@flow(name="retro-realm", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
 def pipeline(overrides: dict | None = None, target: str | None = None, only: str | None = None,
              push: bool = False, upto: str | None = None, preset: str | None = None,
-             name: str | None = None) -> dict[str, str]:
+             name: str | None = None, concurrency: int = 1) -> dict[str, str]:
     """Run the DAG.
 
     preset:    a params/ preset (`paper`, `small`) written into params.yaml first, as `-S` overrides.
@@ -245,7 +337,11 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
     push:      `dvc push` after a successful run (remote workers).
     upto:      run this stage and what it depends on, nothing downstream (as `dvc repro <upto>`);
                with `target`, the stages between the two.
+    concurrency: stages run at once (1: one `dvc repro --single-item` after another, the laptop
+               default); more: stages whose inputs are ready run side by side (`run_concurrently`).
     """
+    if concurrency < 1 or concurrency > 8:
+        raise ValueError(f"concurrency={concurrency}: 1 (one stage at a time) to 8")
     stages = plan(target=target, upto=upto, only=only)
     changes = {**(preset_overrides(preset) if preset else {}), **(overrides or {})}
     apply_param_overrides(changes)
@@ -257,8 +353,12 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
     status = "FAILED"
     result: dict[str, str] = {}
     try:
-        for stage in stages:
-            result[stage] = repro_stage(stage, force=(stage == target))
+        forced = {s for s in stages if target and (s == target or s.startswith(f"{target}@"))}
+        if concurrency == 1:
+            for stage in stages:
+                result[stage] = repro_stage(stage, force=stage in forced)
+        else:
+            result = run_concurrently(stages, concurrency, forced)
         if changes or name:
             if missing := missing_outputs():
                 get_run_logger().warning(
@@ -296,14 +396,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (repeatable), like dvc exp run -S")
     ap.add_argument("--preset", help="a params/ preset written into params.yaml first: paper, small, or a path")
     ap.add_argument("--name", help="experiment name for dvc exp save (saved whenever params are set)")
-    ap.add_argument("--target", choices=STAGES, help="rerun this stage and what depends on it")
-    ap.add_argument("--only", choices=STAGES, help="run just this stage (if stale)")
-    ap.add_argument("--upto", choices=STAGES, help="run this stage and what it depends on, nothing downstream")
+    groups = ", ".join(STAGES)
+    ap.add_argument("--target", help=f"rerun this stage and what depends on it ({groups}, or one <group>@<item>)")
+    ap.add_argument("--only", help="run just this stage, or every stage of a group (if stale)")
+    ap.add_argument("--upto", help="run this stage and what it depends on, nothing downstream")
     ap.add_argument("--push", action="store_true", help="dvc push after a successful run")
+    ap.add_argument("--concurrency", type=int, default=1, help="stages run at once when their inputs are ready (default 1)")
     args = ap.parse_args(argv)
     with local_prefect_api():
         pipeline(overrides=_parse_set(args.set) or None, target=args.target, only=args.only, push=args.push, upto=args.upto,
-                 preset=args.preset, name=args.name)
+                 preset=args.preset, name=args.name, concurrency=args.concurrency)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""Stage `pretrain_realm`: REALM pre-training with an asynchronously refreshed index.
+"""Stage `pretrain_realm@<arm>`: REALM pre-training with an asynchronously refreshed index.
 
-    python -m flows.pretrain_realm          # what `dvc repro pretrain_realm` runs
+    python -m flows.pretrain_realm --arm refreshed   # what `dvc repro pretrain_realm@refreshed` runs
+    python -m flows.pretrain_realm --arm stale       # the stale-index arm (realm.stale_factor x fewer refreshes)
+
+`dvc repro pretrain_realm` runs both arms.
 
 Each `refresh_index` (initial, every `realm.refresh_every` steps, final) runs as a Prefect subflow
 named `refresh_index` of this flow, also when it runs in the background refresh thread: the stage
@@ -11,12 +14,16 @@ refresh is a plain call and an MLflow child run only.
 
 from __future__ import annotations
 
+import argparse
+import os
 from typing import Callable
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from components.paths import REALM_OUT, RETROMAE_ENCODER, TOKENS
+from components.config import REALM_ARMS
+from components.paths import REALM_ARM_OUT, RETROMAE_ENCODER, TOKENS
+from components.stages.common import ENV_STAGE_ITEM
 from components.stages.pretrain_realm import train_realm
 from flows._torchrun import run_training
 from flows._stage import Dataset, Model, run_stage
@@ -40,9 +47,9 @@ def prefect_refresh_wrapper(body: Callable[..., dict], *, step: int, reason: str
 
 @task(cache_policy=NO_CACHE, name="train-realm")
 def train(params, run) -> dict:
-    summary = run_training(STAGE, "components.stages.pretrain_realm", params, run,
-                           lambda p, r: train_realm(p, r, refresh_wrapper=prefect_refresh_wrapper))
-    return summary
+    arm = os.environ[ENV_STAGE_ITEM]
+    return run_training(run.stage, "components.stages.pretrain_realm", params, run,
+                        lambda p, r: train_realm(p, r, refresh_wrapper=prefect_refresh_wrapper, arm=arm))
 
 
 def _metrics(summary: dict) -> dict:
@@ -50,14 +57,22 @@ def _metrics(summary: dict) -> dict:
 
 
 @flow(name=STAGE, log_prints=True)
-def pretrain_realm_flow() -> dict:
+def pretrain_realm_flow(arm: str = "refreshed") -> dict:
+    os.environ[ENV_STAGE_ITEM] = arm  # the body (and torchrun's ranks) read it
+    out, name = REALM_ARM_OUT[arm], "realm" if arm == "refreshed" else f"realm-{arm}"
     # The body logs the retriever, reader, final index and card itself (its artifacts).
-    return run_stage(STAGE, ["realm"], train, metrics=_metrics, step=lambda summary: int(summary.get("step", 0)),
+    return run_stage(f"{STAGE}@{arm}", ["realm"], train, metrics=_metrics, step=lambda summary: int(summary.get("step", 0)),
                      inputs=[Dataset(TOKENS / "blocks", "retrieval_blocks"),
                              Dataset(RETROMAE_ENCODER, "retromae_encoder", optional=True)],
-                     models=[Model(REALM_OUT / "retriever", "realm-retriever", "sentence_transformers"),
-                             Model(REALM_OUT / "knowledge_augmented_encoder", "realm-knowledge-augmented-encoder", task="fill-mask")])
+                     models=[Model(out / "retriever", f"{name}-retriever", "sentence_transformers"),
+                             Model(out / "knowledge_augmented_encoder", f"{name}-knowledge-augmented-encoder", task="fill-mask")])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arm", choices=REALM_ARMS, default="refreshed", help="refreshed (models/realm) or stale (models/realm-stale)")
+    pretrain_realm_flow(ap.parse_args(argv).arm)
 
 
 if __name__ == "__main__":
-    pretrain_realm_flow()
+    main()

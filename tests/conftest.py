@@ -51,6 +51,7 @@ TINY = {
     "realm.train.max_steps": 4,
     "realm.train.batch_size": 2,
     "realm.train.checkpoint_every": 2,
+    "finetune.train_sizes": ["all"],  # one finetune_retriever stage per start (test_eval_table runs a curve)
     "finetune.train.max_steps": 4,
     "finetune.train.batch_size": 4,
     "finetune.qa_train.max_steps": 2,
@@ -75,6 +76,16 @@ def params() -> Params:
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
+
+
+def dvc_stages(root: Path = ROOT) -> dict[str, dict]:
+    """dvc.yaml's stages as DVC resolves them (`foreach` / `matrix` expanded into `<group>@<item>`,
+    `${...}` filled in from params.yaml), in file order."""
+    from dvc.dvcfile import load_file
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return load_file(repo, os.path.join(repo.root_dir, "dvc.yaml")).resolver.resolve()["stages"]
 
 
 def make_workspace(dest: Path, overrides: dict | None = None) -> Path:

@@ -47,7 +47,7 @@ import pytest
 import yaml
 
 from components import paths
-from tests.conftest import ROOT, make_workspace
+from tests.conftest import ROOT, dvc_stages, make_workspace
 from tests.servers import _SCRUB, MOTO_KEYS, _tool, http_json
 
 
@@ -60,8 +60,10 @@ STAGE_ARTIFACTS = {
     "prepare_corpus": {"data_card.json"},
     "tokenize": {"tokenizer", "tokenize_card.json"},
     "pretrain_retromae": {"encoder", "model_card.md", "pretrain_retromae.json"},
-    "pretrain_realm": {"retriever", "knowledge_augmented_encoder", "index_final", "pretrain_realm.json"},
-    "finetune": {"finetune.json"},
+    "pretrain_realm@refreshed": {"retriever", "knowledge_augmented_encoder", "index_final", "pretrain_realm.json"},
+    "pretrain_realm@stale": {"retriever", "knowledge_augmented_encoder", "index_final", "pretrain_realm_stale.json"},
+    "finetune_retriever@retromae-all": {"finetune_retriever_retromae-all.json"},
+    "finetune_reader@realm": {"finetune_reader_realm.json"},
     "evaluate": {"eval", "eval.json", "results.md"},
 }
 TIMINGS: dict[str, float] = {}
@@ -76,7 +78,7 @@ def _stage_order() -> tuple[list[str], dict]:
         return order, {s: plan(upto=s) for s in order}
 
 
-_DVC_SPEC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+_DVC_SPEC = dvc_stages()  # foreach / matrix stages resolved: `<group>@<item>`
 # Stages whose cmd is a stage flow (an MLflow stage run, a Prefect flow run, a deployment), and the
 # always_changed ones DVC reruns every time (source_digest: a plain module, cheap).
 FLOW_STAGES = {s for s, d in _DVC_SPEC.items() if d["cmd"].startswith("scripts/py -m flows.")}
@@ -87,7 +89,8 @@ def default_upto() -> str:
     if os.environ.get("RR_DEPLOY_UPTO"):
         return os.environ["RR_DEPLOY_UPTO"]
     order, closure = _stage_order()
-    runnable = [s for s in order if all(u not in FLOW_STAGES or (ROOT / "flows" / f"{u}.py").exists() for u in closure[s])]
+    runnable = [s for s in order if all(u not in FLOW_STAGES or (ROOT / "flows" / f"{u.partition('@')[0]}.py").exists()
+                                        for u in closure[s])]
     return runnable[-1]
 
 
@@ -124,7 +127,7 @@ def md5_tree(paths: list[Path], base: Path) -> dict[str, str]:
 def cached_outs(ws: Path) -> dict[str, str]:
     """{out path: md5} of every DVC-cached output recorded in dvc.lock (metrics with cache: false excluded)."""
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
-    spec = yaml.safe_load((ws / "dvc.yaml").read_text())["stages"]
+    spec = dvc_stages(ws)
     uncached = {list(o)[0] for s in spec.values() for key in ("outs", "metrics", "plots")
                 for o in s.get(key, []) if isinstance(o, dict) and not list(o.values())[0].get("cache", True)}
     return {o["path"]: o["md5"] for st in lock.values() for o in st.get("outs", []) if o["path"] not in uncached}
@@ -292,10 +295,12 @@ def test_stage_selection_follows_dvc_yaml():
 
     order, _ = _stage_order()
     with contextlib.chdir(ROOT):
-        assert plan(upto="pretrain_realm") == [*sorted(ALWAYS), "prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_realm"]
+        assert plan(upto="pretrain_realm") == [*sorted(ALWAYS), "prepare_corpus", "tokenize", "pretrain_retromae",
+                                               "pretrain_realm@refreshed", "pretrain_realm@stale"]
         assert plan(upto="prepare_corpus") == [*sorted(ALWAYS), "prepare_corpus"]
         assert plan(upto=order[-1]) == order  # evaluate reads every model
-        assert plan(target="pretrain_mlm") == ["pretrain_mlm", "finetune", "evaluate"]
+        mlm_ft = [s for s in order if s.startswith("finetune_retriever@mlm-")]
+        assert mlm_ft and plan(target="pretrain_mlm") == ["pretrain_mlm", *mlm_ft, "evaluate"]
         assert set(plan(target="tokenize")) == set(order) - {"prepare_corpus"} - ALWAYS
 
 
@@ -305,7 +310,7 @@ def test_prefect_yaml_deploys_one_pipeline_flow_per_stage():
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     order, _ = _stage_order()
     deps = {d["name"]: d for d in spec["deployments"]}
-    assert set(deps) == {"pipeline", *(s for s in order if s in FLOW_STAGES)}
+    assert set(deps) == {"pipeline", *(s.partition("@")[0] for s in order if s in FLOW_STAGES)}  # a group: one deployment
     for name, d in deps.items():
         assert d["entrypoint"] == "flows/pipeline.py:pipeline" and d["concurrency_limit"] == 1
         assert d["work_pool"]["name"] == "{{ $RR_PREFECT_POOL }}"
@@ -320,8 +325,10 @@ def test_prefect_yaml_deploys_one_pipeline_flow_per_stage():
 # Logged models each stage run outputs (finetune's depend on its params: added at check time).
 STAGE_MODELS = {"pretrain_retromae": {"retromae-encoder": "transformers", "init-encoder": "transformers"},
                 "pretrain_mlm": {"mlm-encoder": "transformers"},
-                "pretrain_realm": {"realm-retriever": "sentence_transformers",
-                                   "realm-knowledge-augmented-encoder": "transformers"}}
+                "pretrain_realm@refreshed": {"realm-retriever": "sentence_transformers",
+                                             "realm-knowledge-augmented-encoder": "transformers"},
+                "pretrain_realm@stale": {"realm-stale-retriever": "sentence_transformers",
+                                         "realm-stale-knowledge-augmented-encoder": "transformers"}}
 
 
 def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, flow_run_id: str) -> None:
@@ -340,13 +347,16 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
 
     wanted = {s: dict(m) for s, m in STAGE_MODELS.items() if s in by_stage}
     readers: list[str] = []
-    if "finetune" in by_stage:
-        ft = params.finetune
-        # the open-QA readers are pyfunc models (question + context -> span), one per trained system
-        readers = [f"qa-{s}-reader" for s in ft.qa_systems if (deployed.ws / paths.FINETUNE_OPEN_QA / s / "reader").is_dir()]
-        assert readers, ft.qa_systems
-        wanted["finetune"] = {**{f"ft-{n}-retriever": "sentence_transformers" for n in ft.retrieval_inits},
-                              **{name: "python_function" for name in readers}}
+    ft = params.finetune
+    top = ft.largest_size()
+    for n in ft.retrieval_inits:  # the largest size's bi-encoder is the logged ft-<start>-retriever
+        if f"finetune_retriever@{n}-{top}" in by_stage:
+            wanted[f"finetune_retriever@{n}-{top}"] = {f"ft-{n}-retriever": "sentence_transformers"}
+    for s in ft.qa_systems:  # the open-QA readers are pyfunc models (question + context -> span)
+        if f"finetune_reader@{s}" in by_stage and (deployed.ws / paths.reader_out(s) / "reader").is_dir():
+            readers.append(f"qa-{s}-reader")
+            wanted[f"finetune_reader@{s}"] = {f"qa-{s}-reader": "python_function"}
+    assert readers or not any(s.startswith("finetune_reader@") for s in by_stage), ft.qa_systems
     models = {m.name: m for m in client.search_logged_models([exp.experiment_id], max_results=1000)
               if m.tags.get("rr.pipeline_run") == parent.info.run_id}
     for stage, names in wanted.items():
@@ -357,7 +367,7 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
             assert flavor in mlflow.models.get_model_info(f"models:/{models[name].model_id}").flavors, name
         assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(by_stage[stage].data.metrics)
 
-    if "finetune" in by_stage:  # the alias follows this run's retriever, and loads back as the folder encodes
+    if f"finetune_retriever@{params.tracking.registry_start}-{top}" in by_stage:  # the alias follows this run's retriever
         t = params.tracking
         mv = client.get_model_version_by_alias(t.registry_name, t.registry_alias)
         ft_id = models[f"ft-{t.registry_start}-retriever"].model_id
@@ -366,7 +376,7 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
         from sentence_transformers import SentenceTransformer
 
         texts = ["who founded the city", "a river"]
-        local = SentenceTransformer(str(deployed.ws / paths.FINETUNE_RETRIEVERS / t.registry_start), device="cpu")
+        local = SentenceTransformer(str(deployed.ws / paths.retriever_out(t.registry_start, top)), device="cpu")
         assert abs(loaded.encode(texts) - local.encode(texts)).max() < 1e-5
         import pandas as pd
 
@@ -383,8 +393,8 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
         for name in ("retromae-encoder", f"ft-{params.tracking.registry_start}-retriever", *measured):
             metrics = client.get_logged_model(models[name].model_id).metrics
             assert any(m.run_id == ev_id for m in metrics), name  # beside its own training run's metrics
-    if "pretrain_realm" in by_stage:
-        refreshes = [r for r in deployed.runs() if r.data.tags.get("mlflow.parentRunId") == by_stage["pretrain_realm"].info.run_id
+    if "pretrain_realm@refreshed" in by_stage:
+        refreshes = [r for r in deployed.runs() if r.data.tags.get("mlflow.parentRunId") == by_stage["pretrain_realm@refreshed"].info.run_id
                      and r.data.tags.get("rr.kind") == "refresh_index"]
         with_refs = [r for r in refreshes if r.data.tags.get("rr.index.sha256")]
         assert refreshes and len(with_refs) == len(refreshes)  # every index version is referenced on its run
@@ -400,11 +410,11 @@ def check_models_logs_and_artifacts(deployed: Deployed, parent, by_stage: dict, 
     for r in runs:
         if r["state"]["type"] == "COMPLETED" and (r["start_time"] or "") >= since:
             by_flow.setdefault(flows_[r["flow_id"]], r)
-    for stage in ("pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune"):
-        if stage in by_stage:
-            logs = flow_run_logs(api, by_flow[stage]["id"], limit=2000)
+    for stage in ("pretrain_retromae", "pretrain_mlm", "pretrain_realm@refreshed", f"finetune_retriever@retromae-{top}"):
+        if stage in by_stage:  # a group's stages share one flow name: its newest run
+            logs = flow_run_logs(api, by_flow[stage.partition("@")[0]]["id"], limit=2000)
             assert re.search(r"step \d+/\d+ \(\d+%\) loss \S+ (tokens/s \d+ )?eta ", logs), (stage, logs[-3000:])
-            arts = http_json("POST", f"{api}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [by_flow[stage]["id"]]}}})
+            arts = http_json("POST", f"{api}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [by_flow[stage.partition("@")[0]]["id"]]}}})
             assert any(a["type"] == "progress" and float(a["data"]) == 100.0 for a in arts), (stage, arts)
     if "evaluate" in by_stage:  # on the pipeline's own flow run
         keys = {a["key"]: a for a in http_json("POST", f"{api}/artifacts/filter", {"artifacts": {
@@ -436,8 +446,8 @@ def test_deployment_runs_pipeline_tracks_in_mlflow_s3_and_round_trips_dvc_remote
         arts = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert STAGE_ARTIFACTS.get(stage, set()) <= arts and arts, (stage, arts)
 
-    if "pretrain_realm" in by_stage:
-        realm = by_stage["pretrain_realm"]
+    if "pretrain_realm@refreshed" in by_stage:
+        realm = by_stage["pretrain_realm@refreshed"]
         refreshes = [r for r in deployed.runs() if r.data.tags.get("mlflow.parentRunId") == realm.info.run_id]
         assert len(refreshes) >= 2, "expected at least the initial and the final index refresh"
         reasons = {r.data.tags.get("rr.refresh_reason") for r in refreshes}
@@ -504,7 +514,7 @@ def test_override_through_deployment_reruns_only_dependent_stages(deployed, firs
     with contextlib.chdir(ROOT):
         dependents = set(plan(target="pretrain_retromae")) & set(closure[upto])
     upstream = set(closure[upto]) - dependents - ALWAYS
-    assert dependents == {"pretrain_retromae", "pretrain_realm"} and upstream == {"prepare_corpus", "tokenize"}
+    assert dependents == {"pretrain_retromae", "pretrain_realm@refreshed", "pretrain_realm@stale"} and upstream == {"prepare_corpus", "tokenize"}
 
     old_value = yaml.safe_load((deployed.ws / "params.yaml").read_text())["retromae"]["train"]["max_steps"]
     lock_before = yaml.safe_load((deployed.ws / "dvc.lock").read_text())["stages"]

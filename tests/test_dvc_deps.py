@@ -3,8 +3,8 @@ makes that stage (and what follows it) stale: `dvc repro` can never call a stage
 change to code it ran.
 
 A stage's code is the import closure of its flow (`scripts/py -m flows.<stage>`) and of its stage body
-(`components/stages/<stage>.py`, which torchrun launches by module name, out of sight of the flow's
-imports). A dep names a file or a folder that covers it.
+(`components/stages/<group>.py` for a stage `<group>` or `<group>@<item>`, which torchrun launches by
+module name, out of sight of the flow's imports). A dep names a file or a folder that covers it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import dvc_stages
 from tests.test_layering import ROOT, _project_target, imports
 
-DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+DVC = dvc_stages()
 
 
 def _file_of(module: str) -> Path:
@@ -54,8 +55,9 @@ def stage_roots(stage: str) -> list[str]:
     cmd = DVC[stage]["cmd"]
     assert cmd.startswith("scripts/py -m "), f"dvc.yaml stage {stage}: expected `scripts/py -m <module>`, got {cmd!r}"
     roots = [cmd.split()[2]]
-    if (ROOT / "components" / "stages" / f"{stage}.py").is_file():
-        roots.append(f"components.stages.{stage}")
+    group = stage.partition("@")[0]
+    if (ROOT / "components" / "stages" / f"{group}.py").is_file():
+        roots.append(f"components.stages.{group}")
     return roots
 
 

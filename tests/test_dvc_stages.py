@@ -2,6 +2,7 @@
 and changing a `tokenize.*` param reruns only `tokenize` (and what follows), never prepare_corpus.
 `dvc.yaml` and `components/paths.py` name the same folders."""
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from components import paths
-from tests.conftest import make_workspace
+from components.config import load_params
+from tests.conftest import dvc_stages, make_workspace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,25 +38,29 @@ def _names(entries) -> list[str]:
 def test_dvc_yaml_names_the_folders_of_components_paths():
     from flows._runtime import STAGES
 
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    raw = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     # source_digest is no flow: it records the content behind data.path for prepare_corpus
-    assert list(stages)[0] == "source_digest" and stages["source_digest"]["always_changed"]
-    stages = {k: v for k, v in stages.items() if k != "source_digest"}
-    assert list(stages) == STAGES == list(paths.STAGE_OUTS)
-    produced = [str(p) for outs in paths.STAGE_OUTS.values() for p in outs]
+    assert list(raw)[0] == "source_digest" and raw["source_digest"]["always_changed"]
+    assert [k for k in raw if k != "source_digest"] == STAGES
+    stages = {k: v for k, v in dvc_stages().items() if k != "source_digest"}
+    assert {k.partition("@")[0] for k in stages} == set(STAGES)
+    assert {"pretrain_realm@refreshed", "pretrain_realm@stale", "finetune_retriever@retromae-32", "finetune_retriever@init-all",
+            "finetune_reader@bm25", "finetune_reader@realm", "finetune_reader@realm-stale"} <= set(stages)
+    produced = [str(p) for name in stages for p in paths.stage_outs(name)]
     for name, spec in stages.items():
         # the stage summaries and plot tables are plain files beside the cached outputs (cache: false)
         cached = [o for o in spec.get("outs", []) if not (isinstance(o, dict) and next(iter(o.values())).get("cache") is False)]
-        assert _names(cached) == [str(p) for p in paths.STAGE_OUTS[name]], name
+        assert _names(cached) == [str(p) for p in paths.stage_outs(name)], name
         for dep in _names(spec.get("deps")):
             if dep.split("/")[0] in ("components", "flows"):
                 assert (ROOT / dep).exists(), f"{name}: dep {dep} does not exist"
-            elif dep != "data/source.json":  # a DAG folder: another stage's output, or a folder inside one
-                assert any(dep == o or dep.startswith(o + "/") for o in produced), f"{name}: {dep} is no stage's output"
+            elif dep != "data/source.json":  # a DAG folder: another stage's output, one inside one, or one holding several
+                assert any(dep == o or dep.startswith(o + "/") or o.startswith(dep + "/") for o in produced), \
+                    f"{name}: {dep} is no stage's output"
         uncached = _names(o for o in spec.get("outs", []) if o not in cached)
         assert all(Path(f).parent in (paths.METRICS, paths.PLOTS) for f in uncached), (name, uncached)
-        if name in ("pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune"):
-            assert str(paths.stage_metrics(name)) in uncached, name
+        if name.startswith(("pretrain_retromae", "pretrain_mlm", "finetune_")) or name == "pretrain_realm@refreshed":
+            assert str(paths.stage_metrics(name.replace("pretrain_realm@refreshed", "pretrain_realm"))) in uncached, name
         assert _names(spec.get("metrics")) == (["metrics/headline"] if name == "evaluate" else []), name
 
 
@@ -94,10 +100,15 @@ def test_the_pipeline_flow_plans_with_dvcs_own_planner():
     from flows.pipeline import plan
 
     with contextlib.chdir(ROOT):
-        assert plan(upto="pretrain_realm") == ["source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_realm"]
-        assert plan(target="pretrain_mlm") == ["pretrain_mlm", "finetune", "evaluate"]
-        assert plan(target="tokenize", upto="pretrain_realm") == ["tokenize", "pretrain_retromae", "pretrain_realm"]
+        realm = ["pretrain_realm@refreshed", "pretrain_realm@stale"]  # a foreach group names both arms
+        assert plan(upto="pretrain_realm") == ["source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", *realm]
+        assert plan(upto="pretrain_realm@stale") == ["source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", realm[1]]
+        # an MLM change reruns the MLM fine-tunes and evaluate, nothing of RetroMAE, init or REALM
+        sizes = load_params(ROOT / "params.yaml").finetune.train_sizes
+        assert plan(target="pretrain_mlm") == ["pretrain_mlm", *(f"finetune_retriever@mlm-{n}" for n in sizes), "evaluate"]
+        assert plan(target="tokenize", upto="pretrain_realm") == ["tokenize", "pretrain_retromae", *realm]
         assert plan(only="tokenize") == ["tokenize"]
+        assert plan(only="finetune_reader") == ["finetune_reader@bm25", "finetune_reader@realm", "finetune_reader@realm-stale"]
         assert plan()[:2] == ["source_digest", "prepare_corpus"] and plan()[-1] == "evaluate"
         with pytest.raises(ValueError, match="unknown stage"):
             plan(target="nope")
@@ -112,13 +123,14 @@ def test_missing_outputs_names_what_a_partial_run_leaves_out(tmp_path):
 
     from flows.pipeline import missing_outputs
 
-    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    for f in ("dvc.yaml", "params.yaml"):  # the matrix stages' items come from params.yaml
+        shutil.copy(ROOT / f, tmp_path / f)
     subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
-    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    spec = dvc_stages(tmp_path)
     declared = {s: _names(spec[s].get("outs")) + _names(spec[s].get("metrics")) + _names(spec[s].get("plots")) for s in spec}
     with contextlib.chdir(tmp_path):
         assert missing_outputs() == {s: d for s, d in declared.items() if d}
-        for stage in ("source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_realm"):
+        for stage in ("source_digest", "prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_realm@refreshed", "pretrain_realm@stale"):
             for out in map(Path, declared[stage]):
                 if out.suffix:  # a file: data/source.json, metrics/<stage>.json, plots/*.csv
                     out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,5 +138,77 @@ def test_missing_outputs_names_what_a_partial_run_leaves_out(tmp_path):
                 else:
                     out.mkdir(parents=True)
         left = missing_outputs()
-        assert set(left) == {"pretrain_mlm", "finetune", "evaluate"}
+        assert {s.partition("@")[0] for s in left} == {"pretrain_mlm", "finetune_retriever", "finetune_reader", "evaluate"}
+        assert "finetune_retriever@init-all" in left and "pretrain_realm@stale" not in left
         assert "models/mlm" in left["pretrain_mlm"]
+
+
+@pytest.mark.slow
+def test_matrix_stages_run_through_dvc_each_as_its_own_mlflow_run(tmp_path, shared_prefect_api):
+    """`dvc repro --single-item <group>@<item>` runs the item's flow (`--item` / the arm from the
+    stage name), which writes that item's outputs only and opens an MLflow run named by the stage."""
+    from components.config import load_params
+    from tests.conftest import build_data_and_encoders
+
+    ws = make_workspace(tmp_path / "ws")
+    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "init/encoder", "mlm/encoder"))
+    (ws / "models/realm").mkdir(parents=True)  # a stand-in dep: the BM25 reader starts from RetroMAE without REALM
+    (ws / "models/realm/README").write_text("stand-in\n")
+    uri = f"sqlite:///{ws}/mlflow.db"
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_api, "MLFLOW_TRACKING_URI": uri, "RR_PARENT_RUN_ID": ""}
+    for stage in ("finetune_retriever@init-all", "finetune_reader@bm25"):
+        assert _ran(_repro(ws, env, "--single-item", stage)) == {stage}
+    assert (ws / paths.retriever_out("init", "all") / "config.json").exists()
+    assert not (ws / paths.retriever_out("mlm", "all")).exists()  # one item, one output
+    assert (ws / paths.reader_out("bm25") / "openqa_config.json").exists()
+    assert json.loads((ws / paths.stage_metrics("finetune_retriever@init-all")).read_text())["size"] == "all"
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("retro-realm")
+    stages = {r.data.tags["dvc.stage"]: r for r in client.search_runs([exp.experiment_id])}
+    assert {"finetune_retriever@init-all", "finetune_reader@bm25"} <= set(stages)
+    assert all(stages[s].info.status == "FINISHED" for s in ("finetune_retriever@init-all", "finetune_reader@bm25"))
+
+
+def test_concurrent_plan_waits_only_for_the_stages_a_stage_needs():
+    import contextlib
+
+    from flows.pipeline import plan, upstream_in
+
+    with contextlib.chdir(ROOT):
+        stages = plan()
+        needs = upstream_in(stages)
+    assert needs["prepare_corpus"] == {"source_digest"}
+    assert needs["finetune_retriever@init-32"] == {"source_digest", "prepare_corpus", "tokenize", "pretrain_retromae"}
+    assert needs["finetune_reader@realm-stale"] >= {"pretrain_realm@stale"} and "pretrain_realm@refreshed" not in needs["finetune_reader@realm-stale"]
+    assert "pretrain_realm@refreshed" not in needs["pretrain_realm@stale"]  # the two arms run side by side
+    assert needs["evaluate"] == set(stages) - {"evaluate"}
+    with contextlib.chdir(ROOT):  # a partial plan: only the stages in it are waited for
+        assert upstream_in(["pretrain_mlm", "finetune_retriever@mlm-32"]) == {"pretrain_mlm": set(),
+                                                                            "finetune_retriever@mlm-32": {"pretrain_mlm"}}
+
+
+@pytest.mark.slow
+def test_pipeline_concurrency_runs_independent_stages_side_by_side_and_records_them(tmp_path, shared_prefect_api):
+    """`--concurrency 2`: the fine-tunes of a group run two at a time (their MLflow runs overlap),
+    and each is in dvc.lock afterwards, so `dvc status` calls them up to date."""
+    from components.config import load_params
+    from tests.conftest import build_data_and_encoders
+
+    ws = make_workspace(tmp_path / "ws", {"finetune.retrieval_inits": ["init", "mlm", "retromae"]})
+    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "init/encoder", "mlm/encoder"))
+    uri = f"sqlite:///{ws}/mlflow.db"
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_api, "MLFLOW_TRACKING_URI": uri, "RR_PARENT_RUN_ID": "",
+           "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
+    out = subprocess.run([sys.executable, "-m", "flows.pipeline", "--only", "finetune_retriever", "--concurrency", "2"], cwd=ws,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    stages = [f"finetune_retriever@{s}-all" for s in ("init", "mlm", "retromae")]
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    assert set(stages) <= set(lock)
+    status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json", *stages], cwd=ws, env=env, capture_output=True, text=True)
+    assert json.loads(status.stdout or "{}") == {}, status.stdout
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("retro-realm")
+    runs = {r.data.tags["dvc.stage"]: r.info for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("dvc.stage") in stages}
+    spans = sorted((i.start_time, i.end_time) for i in runs.values())
+    assert len(spans) == 3 and spans[1][0] < spans[0][1], spans  # the second started before the first ended

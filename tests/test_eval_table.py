@@ -7,7 +7,8 @@
 - the warm-start reference row pools as its sentence-transformers folder says.
 
 One tiny world per module: data, three distinct random encoders (init / mlm / retromae, so a
-mix-up of start folders shows), a tiny REALM run, then `finetune` and `evaluate` (~15 s on 2 cores).
+mix-up of start folders shows), both tiny REALM arms, then every `finetune_retriever@<start>-<size>`
+(sizes 8 and all), every `finetune_reader@<system>` and `evaluate`, through the stage bodies.
 """
 
 from __future__ import annotations
@@ -40,22 +41,25 @@ def world(tmp_path_factory):
     """A workspace after pretrain_realm, finetune and evaluate (test split)."""
     from components.data.tokenize import load_tokenizer
     from components.stages.evaluate import evaluate
-    from components.stages.finetune import finetune
+    from components.stages.finetune_reader import finetune_reader
+    from components.stages.finetune_retriever import finetune_retriever
     from components.stages.pretrain_realm import train_realm
 
     root = tmp_path_factory.mktemp("eval_table")
     saved = {k: os.environ.pop(k, None) for k in ("RR_PARENT_RUN_ID", "MLFLOW_RUN_ID")}
     with contextlib.chdir(root):
-        p = tiny_params(**{"finetune.qa_gold_steps": 2})
+        p = tiny_params(**{"finetune.qa_gold_steps": 2, "finetune.train_sizes": [8, "all"]})
         build_data_and_encoders(Path("."), p, ("retromae/encoder",))
         tok = load_tokenizer(paths.TOKENS / "tokenizer")
         _save_random_encoder(p, tok, paths.INIT_ENCODER, 1)
         _save_random_encoder(p, tok, paths.MLM_ENCODER, 2)
-        train_realm(p, None, log_artifacts=False)
-        summary = finetune(p)
+        realm = {arm: train_realm(p, None, log_artifacts=False, arm=arm) for arm in ("refreshed", "stale")}
+        retrievers = {f"{s}-{n}": finetune_retriever(p, None, f"{s}-{n}") for s in p.finetune.retrieval_inits
+                      for n in p.finetune.train_sizes}
+        readers = {s: finetune_reader(p, None, s) for s in ("bm25", "realm", "realm-stale")}
         out = evaluate(p)
     os.environ.update({k: v for k, v in saved.items() if v is not None})
-    return {"root": root, "params": p, "finetune": summary, "eval": out}
+    return {"root": root, "params": p, "realm": realm, "retrievers": retrievers, "readers": readers, "eval": out}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,28 +69,41 @@ def test_each_ft_row_fine_tunes_from_the_encoder_it_names(world):
     from components.models.biencoder import weights_digest
     from components.models.encoder import load_encoder
 
-    root, s = world["root"], world["finetune"]
+    root = world["root"]
     folders = {"init": paths.INIT_ENCODER, "mlm": paths.MLM_ENCODER, "retromae": paths.RETROMAE_ENCODER,
                "realm": paths.REALM_OUT / "retriever" / "query_encoder"}
-    assert s["retrieval_inits"] == "init,mlm,retromae,realm"
     digests = {}
     for name, folder in folders.items():
-        assert s[f"retrieval.{name}.start"] == str(folder)
         digests[name] = weights_digest(load_encoder(root / folder))
-        assert s[f"retrieval.{name}.start_sha256"] == digests[name], name  # the weights the trainer was handed
-        assert (root / paths.FINETUNE_RETRIEVERS / name / "config.json").exists()
-        assert s[f"retrieval.{name}.steps"] == world["params"].finetune.train.max_steps
+        for size in (8, "all"):
+            s = world["retrievers"][f"{name}-{size}"]
+            assert s["start"] == str(folder) and s["size"] == str(size)
+            assert s["start_sha256"] == digests[name], name  # the weights the trainer was handed
+            assert (root / paths.retriever_out(name, size) / "config.json").exists()
+            assert s["steps"] == world["params"].finetune.train.max_steps
+            assert json.loads((root / paths.stage_metrics(f"finetune_retriever@{name}-{size}")).read_text())["steps"] == s["steps"]
     assert len(set(digests.values())) == 4  # four different starts: a mix-up would show
     systems = [r["system"] for r in world["eval"]["rows"]]
-    assert [x for x in systems if x.startswith("ft:")] == ["ft:init", "ft:mlm", "ft:retromae", "ft:realm"]
+    # the largest size is the single-size ft:<start> row; the smaller ones are the curve's points
+    assert [x for x in systems if x.startswith("ft:")] == ["ft:init", "ft:init@8", "ft:mlm", "ft:mlm@8", "ft:retromae",
+                                                           "ft:retromae@8", "ft:realm", "ft:realm@8"]
     assert {"bm25", "init", "retromae", "mlm", "realm", "realm-stale"} <= set(systems)
+
+
+def test_a_smaller_size_trains_on_a_subset_of_the_larger_one():
+    from components.training.finetune import size_subset
+
+    rows = list(range(50))
+    small, mid = size_subset(rows, 8, 0), size_subset(rows, 20, 0)
+    assert len(small) == 8 and len(mid) == 20 and set(small) <= set(mid)  # nested: one seeded order
+    assert size_subset(rows, "all", 0) == rows and size_subset(rows, 80, 0) == rows
+    assert size_subset(rows, 8, 1) != small
 
 
 def test_every_start_sees_the_same_batches(world, monkeypatch):
     """Same recipe: the trainer draws the same questions and negatives in the same order for each start."""
     from components.data.finetune_data import BiEncoderCollator
-    from components.data.tokenize import load_tokenizer
-    from components.stages import finetune as stage
+    from components.stages.finetune_retriever import finetune_retriever
 
     seen: list[list[tuple]] = []
     real_call = BiEncoderCollator.__call__
@@ -98,21 +115,69 @@ def test_every_start_sees_the_same_batches(world, monkeypatch):
 
     monkeypatch.setattr(BiEncoderCollator, "__call__", spy)
     monkeypatch.chdir(world["root"])
-    p = tiny_params(**{"finetune.train.max_steps": 3, "finetune.retrieval_inits": ["init", "retromae", "realm"]})
-    monkeypatch.setattr(stage, "RETRIEVER_OUT", world["root"] / "ft_order_check")
-    stage.finetune_retrievers(p, None, load_tokenizer(paths.TOKENS / "tokenizer"))
+    monkeypatch.setattr(paths, "FINETUNE_RETRIEVERS", world["root"] / "ft_order_check")
+    p = tiny_params(**{"finetune.train.max_steps": 3, "finetune.train_sizes": [8]})
+    for start in ("init", "retromae", "realm"):
+        finetune_retriever(p, None, f"{start}-8")
     assert len(seen) == 9, len(seen)
     assert seen[0:3] == seen[3:6] == seen[6:9]
 
 
-def test_missing_start_is_skipped_and_none_is_an_error(world, monkeypatch, tmp_path):
-    from components.stages import finetune as stage
+def test_a_start_without_an_encoder_is_skipped_with_a_note(world, monkeypatch, tmp_path):
+    from components.stages.finetune_retriever import finetune_retriever
+    from components.training import finetune as lib
 
-    monkeypatch.chdir(world["root"])
-    monkeypatch.setitem(stage.START_FOLDERS, "mlm", tmp_path / "nothing")
-    p = tiny_params(**{"finetune.retrieval_inits": ["mlm"]})
-    with pytest.raises(FileNotFoundError, match="finetune.retrieval_inits"):
-        stage.finetune_retrievers(p, None, None)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(lib.START_FOLDERS, "mlm", tmp_path / "nothing")
+    (tmp_path / "data").symlink_to(world["root"] / "data")
+    s = finetune_retriever(tiny_params(), None, "mlm-all")
+    assert "no encoder" in s["skipped"] and (tmp_path / paths.retriever_out("mlm", "all") / "SKIPPED").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# REALM's stale-index ablation: two runs, each evaluated with its own model
+# ----------------------------------------------------------------------------------------------
+def test_the_two_realm_arms_differ_only_in_refresh_cadence():
+    p = tiny_params()
+    refreshed, stale = p.realm.for_arm("refreshed"), p.realm.for_arm("stale")
+    a, b = refreshed.model_dump(), stale.model_dump()
+    assert {k for k in a if a[k] != b[k]} == {"refresh_every"}
+    assert (a["refresh_every"], b["refresh_every"]) == (p.realm.refresh_every, p.realm.refresh_every * p.realm.stale_factor)
+    assert tiny_params(**{"realm.stale_factor": 0}).realm.for_arm("stale").refresh_every == 0  # 0: never refreshed
+    with pytest.raises(ValueError, match="REALM arm"):
+        p.realm.for_arm("nope")
+
+
+def test_realm_stale_rows_come_from_the_stale_arm_own_run(world, monkeypatch):
+    """The stale arm trained on its own (no refresh in a 4-step run at 30x fewer), wrote its own
+    towers, index and summary, and evaluate's `realm-stale` and `qa:realm-stale` read those."""
+    import components.eval.rows as rows_mod
+    from components.eval.open_qa import OpenQAPredictor
+
+    root, (refreshed, stale) = world["root"], (world["realm"]["refreshed"], world["realm"]["stale"])
+    assert refreshed["refreshes"] >= 1 and stale["refreshes"] == 0
+    assert json.loads((root / "metrics/pretrain_realm_stale.json").read_text())["refreshes"] == 0
+    assert json.loads((root / "metrics/pretrain_realm.json").read_text())["refreshes"] == refreshed["refreshes"]
+    assert (root / paths.REALM_STALE_OUT / "index" / "final").is_dir() and (root / "plots/realm_refresh_stale.csv").exists()
+    loaded = []
+    real_index = rows_mod._realm_index
+    monkeypatch.setattr(rows_mod, "_realm_index", lambda arm: loaded.append(arm) or real_index(arm))
+    monkeypatch.chdir(root)
+    monkeypatch.setattr("components.stages.evaluate.METRICS", root / "metrics_arms")
+    monkeypatch.setattr("components.stages.evaluate.PLOTS", root / "plots_arms")
+    from components.stages.evaluate import evaluate
+
+    evaluate(tiny_params(**{"finetune.qa_systems": ["closed-book"]}))
+    assert loaded == [paths.REALM_OUT, paths.REALM_STALE_OUT]
+    with contextlib.chdir(root):
+        from components.data.tokenize import load_tokenizer
+
+        qa = OpenQAPredictor.for_system("realm-stale", world["params"].finetune, load_tokenizer(paths.TOKENS / "tokenizer"))
+    from components.index.faiss_index import BlockIndex
+
+    own, other = (BlockIndex.load(root / arm / "index" / "final") for arm in (paths.REALM_STALE_OUT, paths.REALM_OUT))
+    assert own.version != other.version  # the stale arm's final index is its first; the refreshed arm's is not
+    assert (qa.index.version, len(qa.index)) == (own.version, len(own))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,11 +186,10 @@ def test_missing_start_is_skipped_and_none_is_an_error(world, monkeypatch, tmp_p
 def test_each_qa_system_trains_its_reader_and_answers_every_question(world):
     from components.data.beir import read_qa
 
-    root, s = world["root"], world["finetune"]
-    assert s["qa_systems"] == "bm25,realm,realm-stale"  # closed-book has nothing to train
-    for system in ("bm25", "realm", "realm-stale"):
+    root = world["root"]
+    for system in ("bm25", "realm", "realm-stale"):  # closed-book has nothing to train
         assert (root / paths.FINETUNE_OPEN_QA / system / "openqa_config.json").exists()
-        assert s[f"qa.{system}.steps"] == world["params"].finetune.qa_train.max_steps
+        assert world["readers"][system]["steps"] == world["params"].finetune.qa_train.max_steps
     cfg = json.loads((root / paths.FINETUNE_OPEN_QA / "bm25" / "openqa_config.json").read_text())
     assert cfg["retriever_type"] is None  # BM25: no dense query tower, uniform p(z|x)
     test_ids = {r["id"] for r in read_qa(root / paths.CORPUS / "qa/test.jsonl")}
@@ -153,35 +217,36 @@ def test_gold_phase_reads_each_question_own_paragraph_block():
     assert [(r["id"], r["block_rows"]) for r in gold_qa_blocks(qa, doc_ids, texts)] == [("a", [2]), ("c", [3])]
 
 
-def test_every_system_reader_starts_from_the_one_gold_phase(world, monkeypatch):
-    """finetune.qa_gold_steps: the phase runs once, and each system's reader starts from its weights."""
-    import datasets
+def test_each_reader_runs_the_gold_phase_from_its_own_arm(world, monkeypatch):
+    """finetune.qa_gold_steps: each reader first reads the questions' own paragraphs, starting from
+    its own REALM arm's knowledge-augmented encoder, then trains over its system's top k from there."""
+    from components.models.reader import SpanReader
+    from components.training import finetune as lib
 
-    from components.data.finetune_data import load_qa
-    from components.data.tokenize import load_tokenizer
-    from components.stages import finetune as ft_stage
-
-    s = world["finetune"]
-    assert s["qa.gold.steps"] == 2 and 0 < s["qa.gold.questions"] <= s["qa_questions"]
-    starts: dict[str, dict] = {}
-    real_trainer = ft_stage.Trainer
+    for system in ("bm25", "realm", "realm-stale"):
+        s = world["readers"][system]
+        assert s["qa.gold.steps"] == 2 and 0 < s["qa.gold.questions"] <= s["qa_questions"]
+    with contextlib.chdir(world["root"]):
+        assert lib.reader_init_folder("realm-stale") == paths.REALM_STALE_OUT / "knowledge_augmented_encoder"
+        assert lib.reader_init_folder("bm25") == lib.reader_init_folder("realm") == paths.REALM_OUT / "knowledge_augmented_encoder"
+    starts: list[dict] = []
+    real_trainer = lib.Trainer
 
     def spy(model, *args, **kw):
-        name = "gold" if kw["param_prefix"] == "finetune.qa_gold" else f"system{len(starts)}"
-        starts[name] = {k: v.clone() for k, v in model.reader.state_dict().items()}
+        starts.append({k: v.clone() for k, v in model.reader.state_dict().items()})
         return real_trainer(model, *args, **kw)
 
-    monkeypatch.setattr(ft_stage, "Trainer", spy)
+    monkeypatch.setattr(lib, "Trainer", spy)
+    monkeypatch.setattr("components.stages.common.CHECKPOINTS", world["root"] / "gold_check")  # a fresh run
     with contextlib.chdir(world["root"]):
-        tok = load_tokenizer(paths.TOKENS / "tokenizer")
-        blocks = datasets.load_from_disk(str(paths.TOKENS / "blocks"))
-        gold_state, _ = ft_stage.gold_reader(world["params"], None, tok, blocks, load_qa(paths.CORPUS, "train"))
-        ft_stage.finetune_readers(world["params"], None, tok)
-    systems = [k for k in starts if k.startswith("system")]
-    assert len(systems) == 3 and "gold" in starts
-    for name in systems:  # the systems' trainers start from the trained gold reader, not from its init
-        assert all(torch.equal(starts[name][k], gold_state[k]) for k in gold_state)
-    assert not all(torch.equal(starts["gold"][k], gold_state[k]) for k in gold_state)  # the phase trained
+        from components.stages.finetune_reader import finetune_reader
+
+        monkeypatch.setattr(paths, "FINETUNE_OPEN_QA", world["root"] / "gold_check_out")
+        finetune_reader(world["params"], None, "realm-stale")
+        init = SpanReader.from_pretrained(paths.REALM_STALE_OUT / "knowledge_augmented_encoder").state_dict()
+    gold, system = starts
+    assert all(torch.equal(gold[k], init[k]) for k in init if k in gold and "qa_outputs" not in k)  # the arm's encoder
+    assert not all(torch.equal(system[k], gold[k]) for k in gold)  # the top-k phase starts after the gold phase trained
 
 
 def test_bm25_reader_scores_blocks_uniformly():
@@ -201,7 +266,7 @@ def test_every_comparison_is_the_paired_test_of_its_per_query_files(world):
     out_dir = world["root"] / paths.METRICS / "eval"
     comps = world["eval"]["comparisons"]
     pairs = {(c["a"], c["b"]) for c in comps}
-    assert pairs == {("ft:retromae", "ft:mlm"), ("ft:retromae", "ft:init"), ("retromae", "mlm"), ("retromae", "init"),
+    assert pairs == {("ft:retromae", "ft:mlm"), ("ft:retromae@8", "ft:mlm@8"), ("ft:retromae", "ft:init"), ("retromae", "mlm"), ("retromae", "init"),
                      ("realm", "realm-stale"), ("realm", "retromae"), ("qa:realm", "qa:closed-book"),
                      ("qa:realm", "qa:realm-stale"), ("qa:realm", "qa:bm25")}
     for c in comps:
@@ -286,7 +351,7 @@ def test_warm_start_row_pools_in_its_own_mode(world, tmp_path):
     from transformers import BertConfig, BertModel
 
     from components.data.tokenize import load_tokenizer
-    from components.stages.evaluate import _warm_start_system
+    from components.eval.rows import warm_start_system
 
     root = world["root"]
     tok = load_tokenizer(root / paths.TOKENS / "tokenizer")
@@ -302,11 +367,11 @@ def test_warm_start_row_pools_in_its_own_mode(world, tmp_path):
     (folder / "1_Pooling").mkdir()
     (folder / "1_Pooling/config.json").write_text(json.dumps({"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
     blocks = datasets.load_from_disk(str(root / paths.TOKENS / "blocks"))
-    name, enc, own_tok, own_blocks = _warm_start_system(tiny_params(**{"warm_start.path": str(folder)}), blocks)
+    name, enc, own_tok, own_blocks = warm_start_system(tiny_params(**{"warm_start.path": str(folder)}), blocks)
     assert name == "warm-start:mean" and len(own_blocks["input_ids"]) == len(blocks)
     ids = torch.tensor([[tok.cls_token_id, 7, 8, tok.sep_token_id, tok.pad_token_id]])
     mask = torch.tensor([[1, 1, 1, 1, 0]])
     hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[0, :4]  # (4, H) real tokens
     expect = torch.nn.functional.normalize(hidden.mean(0), dim=0)
     assert torch.allclose(enc(ids, mask)[0], expect, atol=1e-5)
-    assert _warm_start_system(tiny_params(), blocks) is None  # no warm start, no row
+    assert warm_start_system(tiny_params(), blocks) is None  # no warm start, no row

@@ -18,15 +18,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from flows._runtime import start_timeout, stop_process_group
-from tests.conftest import ROOT, make_workspace
+from tests.conftest import ROOT, dvc_stages, make_workspace
 from tests.servers import free_port
 
 LAUNCHER = ROOT / "scripts" / "py"
 VENV = Path(sys.prefix)  # the venv running the tests: what `make setup` builds as .venv
-STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+STAGES = dvc_stages()  # foreach / matrix stages resolved
 
 # A stand-in interpreter: answers the launcher's package probe (`-c '...find_spec...' prefect ...`),
 # else prints its name and arguments. BARE lacks the packages.

@@ -56,14 +56,11 @@ OVERRIDES = {
     "finetune.qa_train.checkpoint_every": 10,
 }
 
-# finetune trains one bi-encoder per start and one reader per trained QA system (params.yaml defaults)
-_FT_STARTS = ("init", "mlm", "retromae", "realm")
-_QA_SYSTEMS = ("bm25", "realm", "realm-stale")
-# stage -> (its trainers' checkpoint folders, the losses it logs, its output folder)
+# stage -> (its trainers' checkpoint folders, the losses it logs, its output folder); the open-QA
+# reader over REALM's own index stands for the fine-tuning stages (each runs the same Trainer)
 STAGES = {
-    "pretrain_realm": (["pretrain_realm"], ["loss"], str(paths.REALM_OUT)),
-    "finetune": ([*(f"finetune_retrieval_{s}" for s in _FT_STARTS), *(f"finetune_qa_{s}" for s in _QA_SYSTEMS)],
-                 [*(f"retrieval.{s}.loss" for s in _FT_STARTS), *(f"qa.{s}.loss" for s in _QA_SYSTEMS)], str(paths.FINETUNE_OUT)),
+    "pretrain_realm@refreshed": (["pretrain_realm"], ["loss"], str(paths.REALM_OUT)),
+    "finetune_reader@realm": (["finetune_qa_realm"], ["qa.realm.loss"], str(paths.reader_out("realm"))),
 }
 
 
@@ -129,7 +126,7 @@ def base(tmp_path_factory) -> Path:
     from components.config import load_params
 
     ws = make_workspace(tmp_path_factory.mktemp("stage_kills") / "ws", OVERRIDES)
-    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "retromae/init_encoder", "mlm/encoder"))
+    build_data_and_encoders(ws, load_params(ws / "params.yaml"), ("retromae/encoder", "init/encoder", "mlm/encoder"))
     MlflowClient(f"sqlite:///{ws}/mlflow.db").search_experiments()
     return ws
 
@@ -157,14 +154,14 @@ class _Reference:
 
 @pytest.fixture(scope="module")
 def realm_reference(base, shared_prefect_api, tmp_path_factory):
-    ref = _Reference(_copy(base, tmp_path_factory.mktemp("realm_ref") / "ws"), "pretrain_realm", shared_prefect_api)
+    ref = _Reference(_copy(base, tmp_path_factory.mktemp("realm_ref") / "ws"), "pretrain_realm@refreshed", shared_prefect_api)
     yield ref
     ref.stop()
 
 
 @pytest.fixture(scope="module")
 def finetune_base(realm_reference, tmp_path_factory) -> Path:
-    """The REALM reference workspace after its run: finetune's open-QA part needs models/realm."""
+    """The REALM reference workspace after its run: the reader over REALM's index needs models/realm."""
     ws = _copy(realm_reference.get()["ws"], tmp_path_factory.mktemp("finetune_base") / "ws")
     return ws
 
@@ -174,7 +171,7 @@ def _kill_at_a_random_step(ws: Path, stage: str, prefect_api: str) -> tuple[str,
     the last), then a random fraction of a second more, and SIGKILL its whole process group."""
     trainers, _, _ = STAGES[stage]
     rng = random.Random()
-    target = rng.randint(1, 3 if stage == "pretrain_realm" else 12)  # REALM saves 5 checkpoints, finetune 4 x 4 + 3 x 6
+    target = rng.randint(1, 3 if stage.startswith("pretrain_realm") else 4)  # REALM saves 5 checkpoints, the reader 6
     victim = _launch(ws, stage, prefect_api)
     seen: set[tuple[str, int]] = set()
     deadline = time.monotonic() + 400
@@ -214,9 +211,9 @@ def _check_resume(ws: Path, stage: str, reference: dict, info: str, committed: d
 
 def test_sigkill_realm_stage_then_dvc_repro_resumes_exactly(base, realm_reference, shared_prefect_api, tmp_path):
     ws = _copy(base, tmp_path / "ws")
-    info, committed = _kill_at_a_random_step(ws, "pretrain_realm", shared_prefect_api)
-    out = _finish(_launch(ws, "pretrain_realm", shared_prefect_api))
-    _check_resume(ws, "pretrain_realm", realm_reference.get(), info, committed, out)
+    info, committed = _kill_at_a_random_step(ws, "pretrain_realm@refreshed", shared_prefect_api)
+    out = _finish(_launch(ws, "pretrain_realm@refreshed", shared_prefect_api))
+    _check_resume(ws, "pretrain_realm@refreshed", realm_reference.get(), info, committed, out)
     # the half-built index from the kill (if any) is gone; every committed version loads
     from components.index.faiss_index import IndexStore
     (root,) = (ws / "checkpoints/pretrain_realm").iterdir()
@@ -225,11 +222,11 @@ def test_sigkill_realm_stage_then_dvc_repro_resumes_exactly(base, realm_referenc
 
 
 def test_sigkill_finetune_stage_then_dvc_repro_resumes_exactly(finetune_base, shared_prefect_api, tmp_path):
-    ref = _Reference(_copy(finetune_base, tmp_path / "ref"), "finetune", shared_prefect_api)
+    ref = _Reference(_copy(finetune_base, tmp_path / "ref"), "finetune_reader@realm", shared_prefect_api)
     try:
         ws = _copy(finetune_base, tmp_path / "ws")
-        info, committed = _kill_at_a_random_step(ws, "finetune", shared_prefect_api)
-        out = _finish(_launch(ws, "finetune", shared_prefect_api))
-        _check_resume(ws, "finetune", ref.get(), info, committed, out)
+        info, committed = _kill_at_a_random_step(ws, "finetune_reader@realm", shared_prefect_api)
+        out = _finish(_launch(ws, "finetune_reader@realm", shared_prefect_api))
+        _check_resume(ws, "finetune_reader@realm", ref.get(), info, committed, out)
     finally:
         ref.stop()

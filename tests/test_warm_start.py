@@ -227,14 +227,15 @@ def test_both_stages_start_from_the_warm_start_folder(ws):
         summary = train_encoder(stage, p, None)
         assert summary["warm_start"] == str((ws / "warm").resolve())
         assert summary["head_warmup_steps"] == 2 and "head_warmup_final_loss" in summary
-        init, final = _encoder_tensors(out / "init_encoder"), _encoder_tensors(out / "encoder")
+        init_dir = paths.INIT_ENCODER if stage == "pretrain_retromae" else out / "init_encoder"
+        init, final = _encoder_tensors(init_dir), _encoder_tensors(out / "encoder")
         assert init.keys() == warm.keys()
         assert all(torch.equal(init[k], warm[k]) for k in warm), f"{stage}: init_encoder is not the warm start"
         assert any(not torch.equal(final[k], warm[k]) for k in warm), f"{stage}: pre-training did not move the encoder"
         cfg = load_encoder(out / "encoder").config
         assert (cfg.hidden_size, cfg.num_hidden_layers) == (32, 2)  # the folder's size, not retromae.encoder's (1 layer)
     # one starting point for both: the MLM stage's init_encoder is RetroMAE's
-    a, b = _encoder_tensors(paths.RETROMAE_OUT / "init_encoder"), _encoder_tensors(paths.MLM_OUT / "init_encoder")
+    a, b = _encoder_tensors(paths.INIT_ENCODER), _encoder_tensors(paths.MLM_OUT / "init_encoder")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -243,7 +244,7 @@ def test_without_a_warm_start_nothing_is_warm_started(ws):
 
     summary = train_encoder("pretrain_retromae", tiny_params(), None)
     assert summary["head_warmup_steps"] == 0 and "warm_start" not in summary
-    assert load_encoder(paths.RETROMAE_OUT / "init_encoder").config.hidden_size == tiny_params().retromae.encoder.hidden_size
+    assert load_encoder(paths.INIT_ENCODER).config.hidden_size == tiny_params().retromae.encoder.hidden_size
 
 
 def test_a_tokenizer_that_is_not_the_warm_starts_is_refused(ws):
@@ -289,7 +290,7 @@ def test_reader_span_head_trains_at_head_lr_on_a_warm_start_only():
     """The reader's fresh span head (`qa_outputs`) gets warm_start.head_lr beside the encoder's
     finetune.qa_train.lr; from scratch (no warm start) everything trains at one lr."""
     from components.models.reader import OpenQA, SpanReader
-    from components.stages.finetune import reader_lr_groups
+    from components.training.finetune import reader_lr_groups
     from components.training.trainer import param_groups
 
     cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)

@@ -32,17 +32,20 @@ class Comparison:
     question: str  # what the comparison asks, in the papers' terms
 
 
-def paper_comparisons(realm_start: str | None = "retromae") -> list[Comparison]:
+def paper_comparisons(realm_start: str | None = "retromae", smaller_sizes: Sequence[int | str] = ()) -> list[Comparison]:
     """RetroMAE's and REALM's claims as (A, B) pairs. `realm_start`: the zero-shot row REALM's
     retriever started from (its `realm.retriever_init`; None when it started from random towers,
-    which no row holds)."""
+    which no row holds). `smaller_sizes`: the `finetune.train_sizes` below the largest, whose
+    `ft:<start>@<size>` rows RetroMAE's label-efficiency claim compares."""
     r = RETRIEVAL_METRICS
     comps = [
         Comparison("ft:retromae", "ft:mlm", r, "RetroMAE: a better retriever than MLM after the same fine-tuning"),
+        *(Comparison(f"ft:retromae@{n}", f"ft:mlm@{n}", r, f"RetroMAE vs MLM after fine-tuning on {n} questions")
+          for n in smaller_sizes),
         Comparison("ft:retromae", "ft:init", r, "RetroMAE: pre-training helps the fine-tuned retriever"),
         Comparison("retromae", "mlm", r, "RetroMAE's mechanism: the [CLS] bottleneck, zero-shot"),
         Comparison("retromae", "init", r, "RetroMAE zero-shot against its starting point"),
-        Comparison("realm", "realm-stale", r, "REALM: refreshing the index matters"),
+        Comparison("realm", "realm-stale", r, "REALM: refreshing the index matters (two runs, each with its own index)"),
     ]
     if realm_start is not None:
         comps.append(Comparison("realm", realm_start, r, f"REALM's retriever after pre-training vs its start ({realm_start})"))

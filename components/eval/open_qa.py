@@ -9,8 +9,8 @@ trained with (saved in its openqa_config.json).
 
 The systems (`finetune.qa_systems`), each with the reader its finetune run trained over the same
 selection of blocks:
-  realm        the fine-tuned query tower over REALM's final (refreshed) index
-  realm-stale  the fine-tuned query tower over REALM's first index, never refreshed
+  realm        the fine-tuned query tower over the final index of REALM's refreshed arm (models/realm)
+  realm-stale  the same over the final index of the stale arm (models/realm-stale), its own run
   bm25         BM25 over the block texts; no query tower, uniform p(z|x) over the top k
 It joins the reader (models) with a frozen block index (index) and the block selection
 (retrieval), so it lives in eval, the lowest layer that may use all three.
@@ -28,9 +28,9 @@ import torch
 from components.data.qa_batch import QACollator
 from components.data.special_tokens import MISSING_ROW, NULL_ROW
 from components.models.reader import OpenQA
-from components.paths import FINETUNE_OPEN_QA, REALM_OUT, TOKENS
+from components.paths import FINETUNE_OPEN_QA, REALM_OUT, REALM_SYSTEM_OUT, TOKENS
 from components.progress import ProgressClock, count_line
-from components.retrieval.search import QA_SYSTEM_INDEX, bm25_over_blocks, bm25_qa_blocks, load_block_index, tower_search_fn
+from components.retrieval.search import bm25_over_blocks, bm25_qa_blocks, load_block_index, tower_search_fn
 
 OPEN_QA_OUT = FINETUNE_OPEN_QA
 log = logging.getLogger(__name__)
@@ -68,9 +68,10 @@ class OpenQAPredictor:
     @classmethod
     def for_system(cls, system: str, ft, tokenizer, open_qa_dir: str | os.PathLike = OPEN_QA_OUT, blocks=None,
                    bm25=None, batch_size: int = 8) -> "OpenQAPredictor":
-        """The reader `finetune` trained for `system` (a key of QA_SYSTEM_INDEX), over the same selection."""
-        which = QA_SYSTEM_INDEX[system]
-        index_dir = None if which is None else REALM_OUT / "index" / which
+        """The reader `finetune_reader@<system>` trained, over the same selection: BM25, or the final
+        index of the system's REALM arm (`paths.REALM_SYSTEM_OUT`)."""
+        arm = REALM_SYSTEM_OUT.get(system)
+        index_dir = None if arm is None else arm / "index" / "final"
         return cls.load(ft, tokenizer, Path(open_qa_dir) / system, index_dir=index_dir, blocks=blocks, bm25=bm25,
                         batch_size=batch_size, name=f"open-qa qa:{system}")
 

@@ -20,9 +20,6 @@ import numpy as np
 import torch
 
 SIDE_QUERY, SIDE_PASSAGE = "query", "passage"
-# open-QA system (`finetune.qa_systems`) -> the REALM index version its top k comes from; None = BM25
-# (no index: the block texts). `closed-book` retrieves nothing.
-QA_SYSTEM_INDEX = {"bm25": None, "realm": "final", "realm-stale": "first"}
 EncodeFn = Callable[[Sequence[str], str], np.ndarray]  # (texts, "query"|"passage") -> (N, D) float32
 SearchFn = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]  # (queries (Q, D), k) -> (scores, rows)
 

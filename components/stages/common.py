@@ -12,10 +12,14 @@ from typing import Callable
 
 from components.config import Params, load_params
 from components.io import write_json_atomic
-from components.paths import CHECKPOINTS, CORPUS
+from components.paths import CHECKPOINTS, CORPUS, stage_metrics
 from components.training.memory import peak_rss_mb
 
 log = logging.getLogger(__name__)
+
+# the item of a foreach / matrix stage (`retromae-32` of `finetune_retriever@retromae-32`): its flow
+# sets it, and torchrun's ranks inherit it
+ENV_STAGE_ITEM = "RR_STAGE_ITEM"
 
 
 def corpus_digest(corpus_dir: str | os.PathLike = CORPUS) -> str:
@@ -52,6 +56,35 @@ def write_stage_metrics(path: str | os.PathLike, metrics: dict) -> dict:
     out = {**metrics, "peak_rss_mb": round(peak_rss_mb(), 1)}
     write_json_atomic(path, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()})
     return out
+
+
+def skip_stage(stage: str, out: Path, reason: str) -> dict:
+    """A stage with nothing to train (its start or inputs missing, switched off): a `SKIPPED` note
+    as its output folder, so DVC finds the outs it declares, and the reason as its summary."""
+    from components.io import write_text_atomic
+    from components.training import distributed as D
+
+    log.warning("%s: skipped: %s", stage, reason)
+    if not D.is_rank0():
+        return {"skipped": reason}
+    write_text_atomic(out / "SKIPPED", reason + "\n")
+    return write_stage_metrics(stage_metrics(stage), {"skipped": reason})
+
+
+def finish_stage(stage: str, summary: dict, save: Callable[[], None]) -> dict:
+    """Rank 0 saves the outputs (`save()`), then writes the stage summary; every rank waits for it."""
+    from components.training import distributed as D
+
+    if D.is_rank0():
+        save()
+        summary = write_stage_metrics(stage_metrics(stage), summary)
+    D.barrier()
+    return summary
+
+
+def item_worker(group: str, body: Callable[[Params, object], dict]) -> None:
+    """`torchrun_worker` for a foreach / matrix stage: its item from $RR_STAGE_ITEM."""
+    torchrun_worker(f"{group}@{os.environ[ENV_STAGE_ITEM]}", body)
 
 
 def torchrun_worker(stage: str, body: Callable[[Params, object], dict]) -> None:

@@ -1,9 +1,14 @@
-"""Stage body of `pretrain_realm`: REALM pre-training (Guu et al. 2020) with an asynchronously
+"""Stage body of `pretrain_realm@<arm>`: REALM pre-training (Guu et al. 2020) with an asynchronously
 refreshed MIPS index.
 
-    python -m flows.pretrain_realm                                   # one process (the flow)
-    torchrun --standalone --nproc_per_node=2 -m components.stages.pretrain_realm   # what the flow
-                                                                     # launches when compute.nproc=2
+    python -m flows.pretrain_realm --arm refreshed                   # one process (the flow)
+    RR_STAGE_ITEM=stale torchrun --standalone --nproc_per_node=2 -m components.stages.pretrain_realm
+
+Two arms of one recipe, REALM's stale-MIPS ablation (the paper: NQ EM 38.2 -> 28.7): `refreshed`
+refreshes every `realm.refresh_every` steps into models/realm/; `stale` is the same run with the
+index refreshed `realm.stale_factor` times less often (0: never after the first), into
+models/realm-stale/ (`RealmParams.for_arm`). Each arm is evaluated with its own towers and its own
+final index.
 
 `train_realm`, in order:
 1. Rows: the blocks with a salient span to mask (`eligible_rows`), minus `realm.heldout_queries`
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,7 +54,7 @@ from components.index.faiss_index import IndexStore
 from components.index.realm_refresh import IndexRefresh, RefreshContext, RefreshWrapper
 from components.io import atomic_dir, write_json_atomic, write_text_atomic
 from components.models.realm import REALM_CONFIG, build_model
-from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
+from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
 from components.training.trainer import Trainer, autocast_for
 from components.training.warmups import ict_warmup, reader_warmup
@@ -56,7 +62,13 @@ from components.training.warmups import ict_warmup, reader_warmup
 log = logging.getLogger(__name__)
 
 STAGE = "pretrain_realm"
-PLOT_FILE = paths.PLOTS / "realm_refresh.csv"
+
+
+def arm_files(arm: str) -> tuple[Path, Path, Path]:
+    """(models folder, summary JSON, refresh plot CSV) of `pretrain_realm@<arm>`."""
+    suffix = "" if arm == "refreshed" else f"_{arm}"
+    return (paths.REALM_ARM_OUT[arm], paths.METRICS / f"{STAGE}{suffix}.json",
+            paths.PLOTS / f"realm_refresh{suffix}.csv")
 
 
 class _Recorder:
@@ -125,12 +137,14 @@ def train_realm(
     tokens_dir: Path = paths.TOKENS,
     corpus_dir: Path = paths.CORPUS,
     retromae_dir: Path = paths.RETROMAE_ENCODER,
-    out_dir: Path = paths.REALM_OUT,
-    metrics_path: Path = paths.stage_metrics(STAGE),
-    plot_path: Path = PLOT_FILE,
+    out_dir: Path | None = None,
+    metrics_path: Path | None = None,
+    plot_path: Path | None = None,
     log_artifacts: bool = True,
+    arm: str = "refreshed",
 ) -> dict:
-    """Run the stage; returns the summary also written to `metrics_path` (rank 0).
+    """Run the stage for one arm (`refreshed` or `stale`); returns the summary also written to
+    `metrics_path` (rank 0). The paths default to the arm's (`arm_files`).
 
     `refresh_wrapper(body, step=, reason=) -> dict` runs each refresh (the flow passes the Prefect
     subflow `refresh_index`; default: call `body()`)."""
@@ -138,6 +152,9 @@ def train_realm(
 
     from components.data.tokenize import load_tokenizer
 
+    params = params.model_copy(update={"realm": params.realm.for_arm(arm)})
+    default_out, default_metrics, default_plot = arm_files(arm)
+    out_dir, metrics_path, plot_path = out_dir or default_out, metrics_path or default_metrics, plot_path or default_plot
     p = params.realm
     pe = params.tracking.progress_every  # progress lines in the probes too
     tokenizer = load_tokenizer(tokens_dir / "tokenizer")
@@ -145,7 +162,7 @@ def train_realm(
     blocks = datasets.load_from_disk(str(tokens_dir / "blocks"))
     block_ids = np.asarray(blocks["block_id"])
     block_doc = np.asarray(blocks["doc_id"])
-    ckpt_root = checkpoint_dir(STAGE, params, ["realm", "retromae"], corpus_dir)
+    ckpt_root = checkpoint_dir(STAGE if arm == "refreshed" else f"{STAGE}_{arm}", params, ["realm", "retromae"], corpus_dir)
     # The process group must exist before asking for the rank (the Trainer would create it later, too late).
     rank0 = D.init_distributed(params.compute).rank == 0
     if run is not None and rank0:
@@ -274,7 +291,8 @@ def train_realm(
 
 
 def main() -> None:
-    torchrun_worker(STAGE, lambda params, run: train_realm(params, run))
+    arm = os.environ[ENV_STAGE_ITEM]
+    torchrun_worker(f"{STAGE}@{arm}", lambda params, run: train_realm(params, run, arm=arm))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
                                                                    # launches when compute.nproc=2
 
 Outputs (rank 0), under `paths.RETROMAE_OUT` / `paths.MLM_OUT`: `encoder/` (HF folder + tokenizer,
-loadable with AutoModel / AutoModelForMaskedLM, read with [CLS] pooling), `init_encoder/` (the same
-encoder before pre-training, the "init" baseline), `model_card.md`; and `paths.stage_metrics(stage)`.
+loadable with AutoModel / AutoModelForMaskedLM, read with [CLS] pooling), `model_card.md`; the same
+encoder before pre-training, the "init" baseline (`paths.INIT_ENCODER` for RetroMAE, its own out so
+that `finetune_retriever@init-*` does not depend on RetroMAE's training; `init_encoder/` for MLM);
+and `paths.stage_metrics(stage)`.
 
 Warm start (`warm_start.path` set): the encoder is loaded from that folder (`retromae.encoder`'s size
 params are ignored, its dropout still applies) and `init_encoder/` is that encoder unchanged. With
@@ -33,7 +35,7 @@ from components.io import write_text_atomic
 from components.models.encoder import frozen_encoder_body, head_param_names, save_encoder, warm_start_path
 from components.models.mlm import MLMModel
 from components.models.retromae import RetroMAE
-from components.paths import MLM_OUT, RETROMAE_OUT, TOKENS, stage_metrics
+from components.paths import INIT_ENCODER, MLM_OUT, RETROMAE_OUT, TOKENS, stage_metrics
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
 from components.training.trainer import LrGroup, TrainResult, Trainer, phase_params, prefixed
@@ -117,7 +119,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
     # Join the process group first: before it exists every torchrun rank would call itself rank 0.
     D.init_distributed(params.compute)
     if D.is_rank0():
-        save_encoder(model, tokenizer, out / "init_encoder")
+        save_encoder(model, tokenizer, INIT_ENCODER if stage == "pretrain_retromae" else out / "init_encoder")
         if warm is not None and hasattr(run, "set_tags"):
             run.set_tags({"rr.warm_start": warm, "rr.head_warmup_steps": params.warm_start.head_warmup_steps})
     ckpt_root = checkpoint_dir(stage, params, ["retromae", "warm_start"] if stage == "pretrain_retromae" else ["retromae", "mlm", "warm_start"])
