@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from components.paths import CORPUS, retriever_out, stage_metrics
 from components.stages.common import ENV_STAGE_ITEM
 from components.stages.finetune_retriever import GROUP, finetune_retriever, parse_item
+from flows import run_main
 from flows._stage import Artifact, Dataset, Model, register, run_stage
 from flows._torchrun import run_training
 
@@ -50,4 +51,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,6 +25,7 @@ from components.config import REALM_ARMS
 from components.paths import REALM_ARM_OUT, RETROMAE_ENCODER, TOKENS
 from components.stages.common import ENV_STAGE_ITEM
 from components.stages.pretrain_realm import train_realm
+from flows import run_main
 from flows._torchrun import run_training
 from flows._stage import Dataset, Model, run_stage
 
@@ -75,4 +76,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

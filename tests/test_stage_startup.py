@@ -114,23 +114,14 @@ def test_run_main_failing_flow_exits_as_usual(tmp_path):
     assert teardown.read_text() == "torn down"  # the normal exit path, teardown included
 
 
-# Being reshaped on another branch of issue 31 (per-start fine-tuning stages); their `__main__` gets
-# run_main when the branches meet. The test fails once one of them has it, so the set shrinks then.
-PENDING = {"finetune.py", "pretrain_realm.py"}
-
-
 def test_every_stage_flow_module_ends_with_run_main():
     """A stage flow module's `__main__` goes through run_main (else it pays the teardown)."""
-    missing, done = [], []
+    missing = []
     for path in sorted((ROOT / "flows").glob("*.py")):
         src = path.read_text(encoding="utf-8")
         if path.name.startswith("_") or path.stem == "pipeline" or "@flow(" not in src:
-            continue
-        if path.name in PENDING:
-            done += [path.name] if "run_main(" in src else []
             continue
         main = src.split('if __name__ == "__main__":', 1)[-1]
         if "run_main(" not in main:
             missing.append(path.name)
     assert not missing, f"flows whose __main__ does not call flows.run_main: {missing}"
-    assert not done, f"{done} call run_main now: remove them from PENDING"
