@@ -1,7 +1,8 @@
 """What is left of a loop's RSS slope once the allocator is fixed: Python objects, or native memory?
 
     python -m bench.bench_memory_residual --stage pretrain_retromae --steps 2000
-    python -m bench.bench_memory_residual --stage pretrain_realm --steps 1000
+    python -m bench.bench_memory_residual --stage pretrain_realm@refreshed --steps 1000
+    python -m bench.bench_memory_residual --stage finetune_retriever@retromae-all --steps 2000
 
 bench/bench_memory.py measures each loop's RSS slope through the real pipeline. Under mimalloc a
 few loops still rise by a few MB per 1,000 steps. This study runs one real stage flow (tiny preset,
@@ -34,8 +35,12 @@ from components.io import write_json_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
 STEP_KEYS = {"pretrain_retromae": ["retromae.train.max_steps"], "pretrain_mlm": ["retromae.train.max_steps"],
-             "pretrain_realm": ["realm.train.max_steps", "realm.ict_steps", "realm.reader_warmup_steps"]}
-UPTO = {"pretrain_retromae": "tokenize", "pretrain_mlm": "tokenize", "pretrain_realm": "pretrain_retromae"}
+             "pretrain_realm@refreshed": ["realm.train.max_steps", "realm.ict_steps", "realm.reader_warmup_steps"],
+             "finetune_retriever@retromae-all": ["finetune.train.max_steps"],
+             "finetune_reader@realm": ["finetune.qa_train.max_steps"]}
+UPTO = {"pretrain_retromae": "tokenize", "pretrain_mlm": "tokenize", "pretrain_realm@refreshed": "pretrain_retromae",
+        "finetune_retriever@retromae-all": "pretrain_retromae", "finetune_reader@realm": "pretrain_realm@refreshed"}
+ITEM_FLAG = {"pretrain_realm": "--arm", "finetune_retriever": "--item", "finetune_reader": "--item"}
 FRAMES = 4
 
 
@@ -58,7 +63,9 @@ def child(stage: str, steps: int, out: Path) -> None:
             snaps[self.prefix + ":end"] = tracemalloc.take_snapshot()
 
     Trainer._log = sampled_log
-    runpy.run_module(f"flows.{stage}", run_name="__main__")
+    group, _, item = stage.partition("@")
+    sys.argv = [f"flows.{group}", *([ITEM_FLAG[group], item] if item else [])]
+    runpy.run_module(f"flows.{group}", run_name="__main__")
     tracemalloc.stop()  # the diffs below are slow enough without tracing their own allocations
     loops: dict[str, dict] = {}
     for prefix in dict.fromkeys(p for p, *_ in samples):
@@ -88,15 +95,15 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.child:
         return child(a.stage, a.steps, a.child)
-    ws = fresh_clone(a.workdir / a.stage)
-    sets = [f"{k}={a.steps}" for k in STEP_KEYS[a.stage]] + ["tracking.log_every=1"]
+    ws = fresh_clone(a.workdir / a.stage.replace("@", "-"))
+    sets = [f"{k}={a.steps}" for k in STEP_KEYS[a.stage]] + ["tracking.log_every=1", "finetune.train_sizes=[all]"]
     subprocess.run([".venv/bin/python", "-m", "flows.pipeline", "--upto", UPTO[a.stage],
                     *[x for s in sets for x in ("--set", s)]], cwd=ws, check=True)
     raw = ws / "residual.json"
     subprocess.run(["scripts/py", "-m", "bench.bench_memory_residual", "--stage", a.stage, "--steps", str(a.steps),
                     "--child", str(raw)], cwd=ws, check=True, env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
     res = json.loads(raw.read_text())
-    write_json_atomic(RESULTS / f"memory_residual_{a.stage}.json", res)
+    write_json_atomic(RESULTS / f"memory_residual_{a.stage.replace('@', '-')}.json", res)
     print(f"{a.stage}, {a.steps} steps, allocator {res['allocator']}")
     for prefix, r in res["loops"].items():
         print(f"  {prefix or '(loop)'}: RSS {r['rss_slope_mb_per_1000']:+.2f} MB/1k steps, Python objects "
