@@ -14,8 +14,8 @@ yet are distinct (1e9 triples from 1,024 paragraphs). The 512 queries are drawn 
 
 Time: faiss runs on ONE thread (`--threads`), and every time is reported twice: `*_s` wall and
 `*_cpu_s` CPU seconds of this process. On a shared box the wall time measures the neighbours; CPU
-seconds with one thread are what one dedicated core would take, the figure the README's
-paper-scale extrapolation uses. HNSW runs at the smallest size only unless `--hnsw-all`; IVF
+seconds with one thread are what one dedicated core would take, the figure that
+docs/experiments/paper_scale.md's extrapolation uses. HNSW runs at the smallest size only unless `--hnsw-all`; IVF
 quantizers are trained on a subsample (`--train-n`). A `--budget-s` wall budget skips what is
 left once spent (recorded as skipped). Writes bench/results/index_scale.json.
 """

@@ -14,7 +14,7 @@ available, sharded over all GPUs) and searches it with 1,000 queries.
 Part 3, the sharded refresh (components/index/shard.py): 2 ranks under torchrun (gloo; on one GPU
 both share it) each embed half of `--shard-blocks` blocks in bf16, all-gather and build the flat
 index on faiss-gpu; every rank's index must be the same (sha256 of the vectors), and the refresh's
-own blocks/s is recorded (the paper-scale extrapolation in the README uses it).
+own blocks/s is recorded (the paper-scale extrapolation in docs/experiments/paper_scale.md uses it).
 Part 4, only with more than one GPU: 2 processes with NCCL train RetroMAE BERT-base under DDP for
 `--ddp-steps` steps (tokens/s per GPU vs part 1's single GPU).
 Writes bench/results/gpu_check.json (or --out).

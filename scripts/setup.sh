@@ -5,7 +5,7 @@
 #
 # CPU torch: if PIP_FIND_LINKS points at a folder holding the torch 2.13.0 CPU wheel, uv is told about it.
 # Otherwise set UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu for a CPU build, or install your
-# own CUDA torch afterwards (see README "GPU machines").
+# own CUDA torch afterwards (see docs/operations.md "GPU machines").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
