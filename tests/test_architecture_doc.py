@@ -1,4 +1,4 @@
-"""docs/architecture.md's module map matches the code, and the page links nothing a clone lacks.
+"""docs/architecture.md's module map matches the code, and the README and docs pages link nothing a clone lacks.
 
 The map is the `## Module map` section: bold package lines, each followed by a table whose first
 column names one module per row:
@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
@@ -141,8 +143,13 @@ _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _DOTTED = re.compile(r"`(\.\.?/[^`\s]*)`")
 
 
-def test_the_page_links_nothing_outside_the_repo():
-    text = DOC.read_text(encoding="utf-8")
+# The README and every docs page: a user's clone has no ../shared and no absolute paths.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_page_links_nothing_outside_the_repo(page):
+    text = page.read_text(encoding="utf-8")
     bad = []
     for target in _LINK.findall(text) + _DOTTED.findall(text):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
@@ -151,11 +158,17 @@ def test_the_page_links_nothing_outside_the_repo():
         if path.startswith("/"):
             bad.append(f"{target}: an absolute path")
             continue
-        resolved = (DOC.parent / path).resolve()
+        resolved = (page.parent / path).resolve()
         if not resolved.is_relative_to(ROOT):
             bad.append(f"{target}: outside the repository")
         elif resolved.relative_to(ROOT).parts[:1] == ("shared",):
             bad.append(f"{target}: shared/ is not part of a clone of the repository")
         elif not resolved.exists():
             bad.append(f"{target}: no such file in the repository")
-    assert not bad, "docs/architecture.md links paths a clone of the repository does not have:\n  " + "\n  ".join(bad)
+    assert not bad, (f"{page.relative_to(ROOT)} links paths a clone of the repository does not have:\n  "
+                     + "\n  ".join(bad))
+
+
+def test_the_link_check_covers_the_readme_and_the_docs():
+    """Guards the page list: the README and the architecture page are always checked."""
+    assert ROOT / "README.md" in PAGES and DOC in PAGES and len(PAGES) > 5
