@@ -471,6 +471,7 @@ def test_the_ict_row_is_the_retriever_realm_starts_from(ws, monkeypatch):
     assert summary["ict_steps"] == 2 and start
     ict = Retriever.from_pretrained(paths.REALM_OUT / paths.ICT_RETRIEVER).state_dict()
     assert ict.keys() == start.keys() and all(torch.equal(ict[k], start[k]) for k in start)
+    assert 'Retriever.from_pretrained("models/realm/ict_retriever")' in (paths.REALM_OUT / "model_card.md").read_text()
     final = Retriever.from_pretrained(paths.REALM_OUT / "retriever").state_dict()
     assert not all(torch.equal(final[k], start[k]) for k in start)  # REALM trained on from it
     retromae = load_encoder("models/retromae/encoder").state_dict()

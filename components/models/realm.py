@@ -177,6 +177,7 @@ class REALM(nn.Module):
         self.marginalization = marginalization
         self.rescore_dropout = rescore_dropout  # realm.rescore_dropout: False keeps the towers' dropout off in training
         self.reader_frozen = False  # realm.freeze_reader, set by freeze_reader() once the reader warm-up is done
+        self.train(self.training)
 
     def freeze_reader(self) -> "REALM":
         """Train the retriever only (`realm.freeze_reader`): the reader's parameters stop requiring

@@ -135,6 +135,7 @@ def _model_card(params: Params, summary: dict, info: dict) -> str:
         "from components.index.faiss_index import BlockIndex",
         'model = REALM.from_pretrained("models/realm")          # retriever + knowledge_augmented_encoder',
         'retriever = Retriever.from_pretrained("models/realm/retriever")',
+        *(['ict = Retriever.from_pretrained("models/realm/ict_retriever")  # after ICT, before REALM: its start'] if "ict_steps" in info else []),
         'index = BlockIndex.load("models/realm/index/final")',
         "```",
     ]) + "\n"
