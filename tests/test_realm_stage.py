@@ -536,9 +536,9 @@ def test_torchrun_two_ranks_build_alike_and_only_rank0_publishes(ws):
     from flows.pipeline import apply_param_overrides
 
     (ws / "params.yaml").write_text((ROOT / "params.yaml").read_text())
-    overrides = {**TINY, "compute.nproc": 2, "realm.refresh_mode": "sync", "realm.retriever_init": "random", "realm.train.max_steps": 4}
+    overrides = {**TINY, "compute.nproc": 2, "realm.refresh_mode": "sync", "realm.retriever_init": "retromae", "realm.train.max_steps": 4}
     apply_param_overrides(overrides, path=str(ws / "params.yaml"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RR_PARAMS": "params.yaml"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RR_PARAMS": "params.yaml", "RR_STAGE_ITEM": "refreshed"}
     out = subprocess.run(torchrun_command("components.stages.pretrain_realm", [], nproc=2), cwd=ws, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -549,3 +549,4 @@ def test_torchrun_two_ranks_build_alike_and_only_rank0_publishes(ws):
     root = checkpoint_dir("pretrain_realm", tiny_params(**overrides), ["realm", "retromae"]) / "index"
     assert IndexStore(root).versions() == [1, 2, 3]  # pruning keeps first + last two; no second publisher
     assert BlockIndex.load(ws / "models/realm/index/final").step == 4
+    assert (ws / paths.REALM_OUT / paths.ICT_RETRIEVER / "retriever_config.json").exists()  # rank 0 kept ICT's retriever
