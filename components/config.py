@@ -288,6 +288,9 @@ class RealmTrainParams(TrainParams):
     warmup_rule: Literal["ratio", "realm"] = Field(
         description="ratio: int(warmup_ratio * max_steps) warm-up steps; realm: min(10000, max(100, int(max_steps / 10))), "
         "the reference's rule (google-research/language realm/model.py and orqa/models/ict_model.py), warmup_ratio unused")
+    retriever_lr: float | None = Field(
+        gt=0, le=1.0, description="REALM steps only: the retriever's towers and projection train at this base lr (the same "
+        "schedule scales it); null = lr, one rate for both (the paper and its code: one optimiser at 3e-5)")
 
     def warmup_steps(self) -> int:
         if self.warmup_rule == "realm":  # the REALM/ORQA reference's rule
@@ -371,6 +374,14 @@ class RealmParams(_Section):
                                  "held-out masked-token accuracy and recall probes")
     heldout_draws: int = Field(ge=1, description="masks drawn per held-out block; each distinct masked span "
                                "is one held-out query (more queries, less noise in the held-out curves)")
+    freeze_reader: bool = Field(
+        description="REALM steps train the retriever only: the knowledge-augmented encoder (after its warm-up) gets no "
+        "gradient and no optimiser state, and reads under no_grad in eval mode; the retriever's gradient needs only "
+        "log p(y|x,z) as a constant per z (off = the paper and its code: both train)")
+    rescore_dropout: bool = Field(
+        description="the retriever towers that rescore the K candidates into p(z|x) during REALM steps run with "
+        "dropout (true: the paper's code, its embedder in train mode) or without it (false: eval-mode dropout, "
+        "gradients still flow)")
     # the paper's lr 3e-5: with more, updates from queries no other block answers undo the retriever's gain
     train: RealmTrainParams
 

@@ -25,6 +25,8 @@ REALM_OUT = MODELS / "realm"                   # pretrain_realm@refreshed: retri
 REALM_STALE_OUT = MODELS / "realm-stale"       # pretrain_realm@stale: the same, refreshed realm.stale_factor x less often
 REALM_ARM_OUT = {"refreshed": REALM_OUT, "stale": REALM_STALE_OUT}
 REALM_SYSTEM_OUT = {"realm": REALM_OUT, "realm-stale": REALM_STALE_OUT}  # zero-shot / open-QA system -> its arm
+# in each arm's folder when realm.ict_steps > 0: the retriever after ICT, before any REALM step (the `ict` row)
+ICT_RETRIEVER = "ict_retriever"
 FINETUNE_OUT = MODELS / "finetune"             # retriever/<start>-<size>/, open_qa/<system>/
 FINETUNE_RETRIEVERS = FINETUNE_OUT / "retriever"  # finetune_retriever@<start>-<size>: one bi-encoder each
 FINETUNE_OPEN_QA = FINETUNE_OUT / "open_qa"       # finetune_reader@<system>: one retriever + reader each

@@ -87,7 +87,7 @@ def test_each_ft_row_fine_tunes_from_the_encoder_it_names(world):
     # the largest size is the single-size ft:<start> row; the smaller ones are the curve's points
     assert [x for x in systems if x.startswith("ft:")] == ["ft:init", "ft:init@8", "ft:mlm", "ft:mlm@8", "ft:retromae",
                                                            "ft:retromae@8", "ft:realm", "ft:realm@8"]
-    assert {"bm25", "init", "retromae", "mlm", "realm", "realm-stale"} <= set(systems)
+    assert {"bm25", "init", "retromae", "mlm", "ict", "realm", "realm-stale"} <= set(systems)  # ict: realm.ict_steps > 0
 
 
 def test_a_smaller_size_trains_on_a_subset_of_the_larger_one():
@@ -267,7 +267,7 @@ def test_every_comparison_is_the_paired_test_of_its_per_query_files(world):
     comps = world["eval"]["comparisons"]
     pairs = {(c["a"], c["b"]) for c in comps}
     assert pairs == {("ft:retromae", "ft:mlm"), ("ft:retromae@8", "ft:mlm@8"), ("ft:retromae", "ft:init"), ("retromae", "mlm"), ("retromae", "init"),
-                     ("realm", "realm-stale"), ("realm", "retromae"), ("qa:realm", "qa:closed-book"),
+                     ("realm", "realm-stale"), ("realm", "retromae"), ("realm", "ict"), ("qa:realm", "qa:closed-book"),
                      ("qa:realm", "qa:realm-stale"), ("qa:realm", "qa:bm25")}
     for c in comps:
         a = per_query_metric(read_per_query(per_query_path(out_dir, c["dataset"], c["a"])), c["metric"])

@@ -21,14 +21,15 @@ VOCAB = 100
 P = RealmParams(query_len=12, block_len=10, top_k=4, retriever_dim=16)
 
 
-def make_model(marginalization="per_token", share_towers=False, seed=0) -> REALM:
+def make_model(marginalization="per_token", share_towers=False, seed=0, dropout=0.0, rescore_dropout=True) -> REALM:
     torch.manual_seed(seed)
     cfg = tiny_bert_config(vocab_size=VOCAB, hidden=32, layers=1, heads=2)
+    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = dropout
     # BERT's 0.02 init makes p(y|x,z) and p(z|x) nearly flat in z, and then any mixing formula looks
     # right; a wider init makes the documents matter, so the comparisons below can fail.
     cfg.initializer_range = 0.25
     model = REALM(Retriever.from_config(cfg, P.retriever_dim, share_towers), KnowledgeAugmentedEncoder.from_config(cfg),
-                  marginalization)
+                  marginalization, rescore_dropout=rescore_dropout)
     return model.eval()
 
 
@@ -301,3 +302,91 @@ def test_bf16_autocast_forward_backward():
     out["loss"].backward()
     assert out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
     assert model.retriever.query_projection.weight.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# realm.freeze_reader, realm.rescore_dropout, realm.train.retriever_lr: on the real Trainer
+# ----------------------------------------------------------------------------------------------
+def _fit(model: REALM, out_dir, **train):
+    """A few REALM steps of the shared Trainer on make_batch(), with the stage's lr groups."""
+    from components.stages.pretrain_realm import retriever_lr_groups
+    from components.training.trainer import Trainer
+    from tests.conftest import tiny_params
+
+    p = tiny_params(**{f"realm.train.{k}": v for k, v in {"max_steps": 3, "batch_size": 3, "lr": 1e-3, "warmup_ratio": 0.0,
+                                                          "checkpoint_every": 10, **train}.items()})
+    batch = make_batch()
+    trainer = Trainer(model, list(range(3)), lambda rows: batch, p.realm.train, p.compute, out_dir, progress=False,
+                      lr_groups=retriever_lr_groups(p.realm.train))
+    trainer.fit()
+    return trainer
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_frozen_reader_keeps_its_weights_and_reads_without_a_graph(tmp_path):
+    model = make_model(dropout=0.1).freeze_reader()
+    reader = model.knowledge_augmented_encoder
+    reader0, retriever0 = _state(reader), _state(model.retriever)
+    reads = []
+    real_read = reader.masked_log_probs
+
+    def spy(*args):
+        out = real_read(*args)
+        reads.append((torch.is_grad_enabled(), out.requires_grad, reader.training, model.training))
+        return out
+
+    reader.masked_log_probs = spy
+    trainer = _fit(model, tmp_path)
+    assert reads and all(r == (False, False, False, True) for r in reads)  # no graph, no dropout, in a training step
+    after = _state(reader)
+    assert all(torch.equal(after[k], reader0[k]) for k in reader0)
+    after = _state(model.retriever)
+    assert not all(torch.equal(after[k], retriever0[k]) for k in retriever0)
+    reader_ids = {id(p) for p in reader.parameters()}
+    assert not reader_ids & {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}  # no optimiser state
+    assert not reader_ids & {id(p) for p in trainer.optimizer.state}
+
+
+def test_frozen_reader_leaves_the_retriever_gradient_unchanged():
+    """d loss / d retriever needs log p(y|x,z) only as a value per z: the same gradient without the reader's graph."""
+    grads = []
+    for frozen in (False, True):
+        model = make_model().train()
+        if frozen:
+            model.freeze_reader()
+        model(make_batch())["loss"].backward()
+        grads.append({n: p.grad.clone() for n, p in model.retriever.named_parameters()})
+        reader_grads = [p.grad for p in model.knowledge_augmented_encoder.parameters()]
+        assert all(g is None for g in reader_grads) == frozen
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("rescore_dropout", [True, False])
+def test_rescoring_without_dropout_scores_a_batch_alike_twice_in_training(rescore_dropout):
+    model = make_model(dropout=0.1, rescore_dropout=rescore_dropout).train()
+    batch = make_batch(missing=False)
+    a, b = model.retrieval_log_probs(batch), model.retrieval_log_probs(batch)
+    assert model.training and a.requires_grad and model.knowledge_augmented_encoder.training  # the reader keeps its dropout
+    assert torch.equal(a, b) != rescore_dropout
+    a.sum().backward()  # still trained through
+    assert all(p.grad is not None for p in model.retriever.parameters())
+
+
+def test_retriever_lr_is_its_own_param_group(tmp_path):
+    model = make_model()
+    retriever_ids = {id(p) for p in model.retriever.parameters()}
+    trainer = _fit(model, tmp_path / "grouped", lr=1e-4, retriever_lr=1e-3)
+    groups = trainer.optimizer.param_groups
+    grouped = {id(p) for g in groups if g["group"] == "retriever" for p in g["params"]}
+    assert grouped == retriever_ids
+    assert not retriever_ids & {id(p) for g in groups if g["group"] != "retriever" for p in g["params"]}
+    assert {g["group"]: g["lr_scale"] for g in groups} == {"": 1.0, "retriever": pytest.approx(10.0)}
+    lr = {g["group"]: g["lr"] for g in groups}  # the last step's rates: one schedule, scaled per group
+    assert lr[""] > 0 and lr["retriever"] == pytest.approx(10 * lr[""])
+    same = _fit(make_model(), tmp_path / "one")  # null: one rate, no group
+    assert {g["group"] for g in same.optimizer.param_groups} == {""}

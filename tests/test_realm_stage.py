@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 
 import components.index.refresh as refresh_lib
 import components.stages.pretrain_realm as stage
+from components import paths
 from components.data.ict_batch import ICTCollator, ict_eligible_rows, sentence_token_spans
 from components.data.realm_batch import context_spans, eligible_rows, fixed_queries, masked_answer, passage_inputs
 from components.data.salient_spans import contains_span, salient_token_spans
@@ -441,6 +442,52 @@ def test_resume_after_a_kill_rebuilds_from_resumed_weights_and_ignores_partial_i
     assert BlockIndex.load("models/realm/index/first").version == 1
 
 
+def _retrieval_systems() -> list[str]:
+    """The systems evaluate's retrieval rows hold in this workspace (the test split)."""
+    from components.data.tokenize import load_tokenizer
+    from components.eval.rows import eval_sets, retrieval_rows
+
+    p = tiny_params()
+    tok = load_tokenizer(paths.TOKENS / "tokenizer")
+    with torch.inference_mode():
+        return [r["system"] for r in retrieval_rows(p, eval_sets(p, tok)[0], tok, Path("metrics/eval"))]
+
+
+def test_the_ict_row_is_the_retriever_realm_starts_from(ws, monkeypatch):
+    """ICT on the RetroMAE towers, then REALM: models/realm/ict_retriever holds exactly the retriever
+    of REALM's first training forward (before its first optimiser step), and evaluate reports it."""
+    from components.models.encoder import load_encoder
+
+    start: dict[str, torch.Tensor] = {}
+    real_forward = REALM.forward
+
+    def first_step(self, batch):
+        if self.training and not start:
+            start.update({k: v.detach().clone() for k, v in self.retriever.state_dict().items()})
+        return real_forward(self, batch)
+
+    monkeypatch.setattr(REALM, "forward", first_step)
+    summary, _, _ = run_stage(**{"realm.refresh_mode": "sync", "realm.retriever_init": "retromae"})
+    assert summary["ict_steps"] == 2 and start
+    ict = Retriever.from_pretrained(paths.REALM_OUT / paths.ICT_RETRIEVER).state_dict()
+    assert ict.keys() == start.keys() and all(torch.equal(ict[k], start[k]) for k in start)
+    assert 'Retriever.from_pretrained("models/realm/ict_retriever")' in (paths.REALM_OUT / "model_card.md").read_text()
+    final = Retriever.from_pretrained(paths.REALM_OUT / "retriever").state_dict()
+    assert not all(torch.equal(final[k], start[k]) for k in start)  # REALM trained on from it
+    retromae = load_encoder("models/retromae/encoder").state_dict()
+    assert not all(torch.equal(ict[f"query_encoder.{k}"], v) for k, v in retromae.items())  # ... and ICT before it
+    systems = _retrieval_systems()
+    assert systems[systems.index("ict"):][:2] == ["ict", "realm"]
+
+
+def test_without_ict_there_is_no_ict_retriever_and_no_row(ws):
+    summary, _, _ = run_stage(**{"realm.refresh_mode": "sync", "realm.ict_steps": 0})
+    assert "ict_steps" not in summary and (paths.REALM_OUT / "retriever").is_dir()
+    assert not (paths.REALM_OUT / paths.ICT_RETRIEVER).exists()
+    systems = _retrieval_systems()
+    assert "realm" in systems and "ict" not in systems
+
+
 # ----------------------------------------------------------------------------------------------
 # the Prefect flow
 # ----------------------------------------------------------------------------------------------
@@ -489,9 +536,9 @@ def test_torchrun_two_ranks_build_alike_and_only_rank0_publishes(ws):
     from flows.pipeline import apply_param_overrides
 
     (ws / "params.yaml").write_text((ROOT / "params.yaml").read_text())
-    overrides = {**TINY, "compute.nproc": 2, "realm.refresh_mode": "sync", "realm.retriever_init": "random", "realm.train.max_steps": 4}
+    overrides = {**TINY, "compute.nproc": 2, "realm.refresh_mode": "sync", "realm.retriever_init": "retromae", "realm.train.max_steps": 4}
     apply_param_overrides(overrides, path=str(ws / "params.yaml"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RR_PARAMS": "params.yaml"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RR_PARAMS": "params.yaml", "RR_STAGE_ITEM": "refreshed"}
     out = subprocess.run(torchrun_command("components.stages.pretrain_realm", [], nproc=2), cwd=ws, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -502,3 +549,4 @@ def test_torchrun_two_ranks_build_alike_and_only_rank0_publishes(ws):
     root = checkpoint_dir("pretrain_realm", tiny_params(**overrides), ["realm", "retromae"]) / "index"
     assert IndexStore(root).versions() == [1, 2, 3]  # pruning keeps first + last two; no second publisher
     assert BlockIndex.load(ws / "models/realm/index/final").step == 4
+    assert (ws / paths.REALM_OUT / paths.ICT_RETRIEVER / "retriever_config.json").exists()  # rank 0 kept ICT's retriever

@@ -2,11 +2,12 @@
 open-QA row on one set, each with its per-query file (`comparisons.per_query_path`).
 
     sets = eval_sets(params, tokenizer)                        # the `evaluate.split` set + evaluate.extra_sets
-    rows = retrieval_rows(params, sets[0], tokenizer, out)     # bm25, warm-start:*, init, retromae, mlm, realm, realm-stale, ft:*
+    rows = retrieval_rows(params, sets[0], tokenizer, out)     # bm25, warm-start:*, init, retromae, mlm, ict, realm, realm-stale, ft:*
     rows += qa_rows(params, sets[0], tokenizer, out)           # qa:closed-book, qa:bm25, qa:realm, qa:realm-stale
 
 `realm` and `realm-stale` are the two `pretrain_realm` arms, each its own towers over its own final
-index. `ft:<start>` is the bi-encoder fine-tuned on the largest `finetune.train_sizes`;
+index; `ict` (when realm.ict_steps > 0) the refreshed arm's retriever after ICT, before any REALM
+step. `ft:<start>` is the bi-encoder fine-tuned on the largest `finetune.train_sizes`;
 `ft:<start>@<size>` the smaller sizes (RetroMAE's label-efficiency curve).
 """
 
@@ -28,7 +29,8 @@ from components.eval.dense import HFEncoder, dense_run, sentence_transformers_mo
 from components.eval.metrics import exact_match, f1, qa_metrics, retrieval_metrics
 from components.io import write_jsonl_atomic
 from components.models.encoder import warm_start_path
-from components.paths import CORPUS, FINETUNE_RETRIEVERS, INIT_ENCODER, MLM_ENCODER, REALM_SYSTEM_OUT, RETROMAE_ENCODER, TOKENS
+from components.paths import (CORPUS, FINETUNE_RETRIEVERS, ICT_RETRIEVER, INIT_ENCODER, MLM_ENCODER, REALM_OUT, REALM_SYSTEM_OUT,
+                              RETROMAE_ENCODER, TOKENS)
 from components.retrieval.bm25 import BM25Retriever
 
 log = logging.getLogger(__name__)
@@ -92,10 +94,10 @@ def _encoder_systems() -> dict[str, Path]:
     return systems
 
 
-def _realm_retriever(arm: Path):
+def _realm_retriever(arm: Path, sub: str = "retriever"):
     from components.models.retriever import Retriever
 
-    folder = arm / "retriever"
+    folder = arm / sub
     if not folder.exists():
         return None
     r = Retriever.from_pretrained(folder).eval()
@@ -159,6 +161,9 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
         enc = HFEncoder.load(folder)
         add_dense(name, enc, enc)
 
+    ict = _realm_retriever(REALM_OUT, ICT_RETRIEVER)  # the ICT-only control: REALM's start (no index: blocks embedded now)
+    if ict is not None:
+        add_dense("ict", *ict, titles=params.realm.doc_input == "title_body")
     for system, arm in REALM_SYSTEM_OUT.items():  # each arm: its own towers over its own final index
         realm = _realm_retriever(arm)
         if realm is not None:

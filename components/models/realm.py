@@ -37,6 +37,7 @@ Try it (random tiny weights):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -166,6 +167,7 @@ class REALM(nn.Module):
         retriever: Retriever,
         knowledge_augmented_encoder: KnowledgeAugmentedEncoder,
         marginalization: Marginalization = "per_token",
+        rescore_dropout: bool = True,
     ):
         super().__init__()
         if marginalization not in ("per_token", "per_sequence"):
@@ -173,6 +175,29 @@ class REALM(nn.Module):
         self.retriever = retriever
         self.knowledge_augmented_encoder = knowledge_augmented_encoder
         self.marginalization = marginalization
+        self.rescore_dropout = rescore_dropout  # realm.rescore_dropout: False keeps the towers' dropout off in training
+        self.reader_frozen = False  # realm.freeze_reader, set by freeze_reader() once the reader warm-up is done
+        self.train(self.training)
+
+    def freeze_reader(self) -> "REALM":
+        """Train the retriever only (`realm.freeze_reader`): the reader's parameters stop requiring
+        gradients (so the optimiser holds no state for them), it stays in eval mode, and `forward`
+        runs it under no_grad. The retriever's gradient is unchanged: d loss / d log p(z|x) needs
+        log p(y|x,z) only as a value per z, never its graph. Call it after the reader warm-up."""
+        self.knowledge_augmented_encoder.requires_grad_(False)
+        self.reader_frozen = True
+        return self.train(self.training)
+
+    def train(self, mode: bool = True) -> "REALM":
+        """As nn.Module.train, except: a frozen reader stays in eval mode (its dropout would only add
+        noise to a constant p(y|x,z)); with rescore_dropout off the retriever towers stay in eval
+        mode, which in BERT switches dropout only, so gradients still flow."""
+        super().train(mode)
+        if self.reader_frozen:
+            self.knowledge_augmented_encoder.eval()
+        if not self.rescore_dropout:
+            self.retriever.eval()
+        return self
 
     # -- construction / persistence -------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike) -> Path:
@@ -238,7 +263,8 @@ class REALM(nn.Module):
 
         ka_ids, ka_mask, ka_types = knowledge_augmented_inputs(
             x_ids, x_mask, batch["z_input_ids"], batch["z_attention_mask"], self.knowledge_augmented_encoder.pad_token_id)
-        log_py_all = self.knowledge_augmented_encoder.masked_log_probs(ka_ids, ka_mask, ka_types, mask_batch, mask_pos)  # (M, K, V)
+        with torch.no_grad() if self.reader_frozen else contextlib.nullcontext():  # frozen: no graph through the reader
+            log_py_all = self.knowledge_augmented_encoder.masked_log_probs(ka_ids, ka_mask, ka_types, mask_batch, mask_pos)  # (M, K, V)
         log_py = log_py_all.gather(-1, targets.view(M, 1, 1).expand(M, K, 1)).squeeze(-1)  # (M, K): log p(y_j|x,z)
         log_pz_tok = log_pz[mask_batch]  # (M, K)
 
@@ -319,7 +345,7 @@ def build_model(params, tokenizer, retromae_dir: Path,
         info["knowledge_augmented_encoder_init"] = "random"
     log.info("REALM: retriever_init=%s, knowledge_augmented_encoder from %s", p.retriever_init,
              retromae_dir if has_retromae else "a random init (no RetroMAE encoder found)")
-    return REALM(retriever, reader, p.marginalization), info
+    return REALM(retriever, reader, p.marginalization, rescore_dropout=p.rescore_dropout), info
 
 
 def tiny_bert_config(vocab_size: int = 100, hidden: int = 32, layers: int = 1, heads: int = 2, max_position: int = 128) -> BertConfig:

@@ -10,6 +10,7 @@ Rows per evaluation set (the pipeline's own `evaluate.split` split, plus `evalua
   init              the encoder before any pre-training (models/init/encoder)
   retromae          RetroMAE-pretrained encoder, zero-shot
   mlm               plain-MLM-pretrained encoder, same compute (skipped when mlm.enabled is false)
+  ict               realm.ict_steps > 0: the retriever after ICT, before any REALM step (models/realm/ict_retriever)
   realm             pretrain_realm@refreshed: its retriever over its final index
   realm-stale       pretrain_realm@stale (refreshed realm.stale_factor x less often): its own retriever and final index
   ft:<start>        the bi-encoder fine-tuned from each start on the largest `finetune.train_sizes`

@@ -15,7 +15,8 @@ final index.
    held-out blocks whose fixed masked queries never train; they stay in the index (knowledge, not
    questions). The probe sets: components/eval/realm_probes.py.
 2. The model: `build_model` (components/models/realm.py) with the ICT warm-up of the retriever,
-   then the reader warm-up (components/training/warmups.py).
+   then the reader warm-up (components/training/warmups.py). `realm.freeze_reader` then freezes
+   the reader; `realm.train.retriever_lr` gives the retriever its own lr group.
 3. Training: the shared Trainer on `RealmCollator` batches (salient-span masked queries, the
    candidates searched in the CURRENT index, slot 0 the null document; REALM.forward rescores them
    with gradients into both towers). `IndexRefresh` (components/index/realm_refresh.py) builds the
@@ -24,7 +25,8 @@ final index.
    all-gathered and every rank builds the same index (components/index/shard.py).
 4. The end: held-out masked-token accuracy and probe recall with the final index and with the one
    training last used; models/realm/ (retriever/, knowledge_augmented_encoder/, index/first/,
-   index/final/, model_card.md, realm_config.json), metrics/pretrain_realm.json and
+   index/final/, model_card.md, realm_config.json; ict_retriever/ when ICT ran: the retriever after
+   ICT, before any REALM step, evaluate's `ict` row), metrics/pretrain_realm.json and
    plots/realm_refresh.csv.
 
 Resume: the Trainer restores weights, optimizer and RNG; the first refresh removes any half-written
@@ -38,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,7 @@ from components.io import atomic_dir, write_json_atomic, write_text_atomic
 from components.models.realm import REALM_CONFIG, build_model
 from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import Trainer, autocast_for
+from components.training.trainer import LrGroup, Trainer, autocast_for
 from components.training.warmups import ict_warmup, reader_warmup
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,14 @@ def _split_rows(blocks, p, special: SpecialTokens, seed: int) -> tuple[list[int]
     return train_rows, held, held_queries, {k: stale_x[k] for k in ("x_input_ids", "x_attention_mask")}
 
 
+def retriever_lr_groups(train) -> list[LrGroup]:
+    """`realm.train.retriever_lr`: the retriever (towers and projections) at its own base lr; none
+    when null (one rate, the paper's)."""
+    if train.retriever_lr is None:
+        return []
+    return [LrGroup("retriever", lambda name: name.startswith("retriever."), train.retriever_lr)]
+
+
 def _model_card(params: Params, summary: dict, info: dict) -> str:
     p = params.realm
     return "\n".join([
@@ -124,6 +135,7 @@ def _model_card(params: Params, summary: dict, info: dict) -> str:
         "from components.index.faiss_index import BlockIndex",
         'model = REALM.from_pretrained("models/realm")          # retriever + knowledge_augmented_encoder',
         'retriever = Retriever.from_pretrained("models/realm/retriever")',
+        *(['ict = Retriever.from_pretrained("models/realm/ict_retriever")  # after ICT, before REALM: its start'] if "ict_steps" in info else []),
         'index = BlockIndex.load("models/realm/index/final")',
         "```",
     ]) + "\n"
@@ -182,9 +194,14 @@ def train_realm(
     ict = partial(ict_warmup, blocks=blocks, params=params, special=special, out_dir=ckpt_root / "ict",
                   log_fn=RankZeroLogger(run), exclude=set(held))
     model, info = build_model(params, tokenizer, retromae_dir, warm_up_retriever=ict)
+    ict_retriever = ckpt_root / paths.ICT_RETRIEVER  # the ICT-only control: the retriever REALM starts from
+    if "ict_steps" in info and rank0:  # ICT ran (a resume reruns nothing: ICT restores its final checkpoint)
+        model.retriever.save_pretrained(ict_retriever, tokenizer)
     if p.reader_warmup_steps:
         info.update(reader_warmup(model.knowledge_augmented_encoder, blocks, train_rows, params, special,
                                   ckpt_root / "reader_warmup", RankZeroLogger(run)))
+    if p.freeze_reader:  # after its warm-up: REALM steps then train the retriever only
+        model.freeze_reader()
     if run is not None and rank0:
         run.set_tags({"realm.knowledge_augmented_encoder_init": info["knowledge_augmented_encoder_init"],
                       "realm.probe_set": main_probes.kind if main_probes else "none"})
@@ -211,7 +228,7 @@ def train_realm(
     trainer = Trainer(model, train_rows, collator, train, params.compute, ckpt_root, log_fn=recorder,
                       hooks={"on_train_start": on_train_start, "on_step_end": refresh.on_step_end},
                       log_every=params.tracking.log_every, param_prefix="realm.train",
-                      progress_every=params.tracking.progress_every)
+                      progress_every=params.tracking.progress_every, lr_groups=retriever_lr_groups(train))
     refresh.ctx.amp_dtype = trainer.amp_dtype  # index embeddings in the precision REALM's rescoring runs in
     try:
         result = trainer.fit()
@@ -276,6 +293,8 @@ def train_realm(
         (first or final_index).save(tmp / "index" / "first", extra_meta={"role": "first"})
         final_index.save(tmp / "index" / "final", extra_meta={"role": "final"})
         write_text_atomic(tmp / "model_card.md", _model_card(params, summary, info))
+        if "ict_steps" in info:
+            shutil.copytree(ict_retriever, tmp / paths.ICT_RETRIEVER)
     write_text_atomic(plot_path, refresh.csv_text())
     summary = write_stage_metrics(metrics_path, summary)
     if run is not None and log_artifacts:  # the summary numbers are logged by the flow, as for every stage
