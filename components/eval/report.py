@@ -225,6 +225,11 @@ def _curves_figure(curves: Mapping[str, Sequence[tuple[float, float]]]):
 CURVE_COLUMNS = ("dataset", "start", "size", "questions", "kind", "ndcg_at_10", "recall_at_20")
 
 
+def curve_csv(points: Sequence[Mapping]) -> str:
+    """The label-efficiency points as CSV (`CURVE_COLUMNS`; the header alone when there are none)."""
+    return _csv(CURVE_COLUMNS, [[p.get(c) for c in CURVE_COLUMNS] for p in points])
+
+
 def _label_efficiency_figure(points: Sequence[Mapping]):
     """nDCG@10 and R@20 against training questions (log x), one line per start; the reference dashed."""
     from matplotlib.figure import Figure
@@ -271,8 +276,7 @@ def write_plots(
     out_dir = Path(out_dir)
     written: dict[str, Path] = {}
     if label_efficiency:
-        rows = [[p.get(c) for c in CURVE_COLUMNS] for p in label_efficiency]
-        written["curve_csv"] = write_text_atomic(out_dir / "label_efficiency.csv", _csv(CURVE_COLUMNS, rows))
+        written["curve_csv"] = write_text_atomic(out_dir / "label_efficiency.csv", curve_csv(label_efficiency))
         written["curve_png"] = write_bytes_atomic(out_dir / "label_efficiency.png", _png(_label_efficiency_figure(label_efficiency)))
     if recall:
         rows = [(label, k, v) for label, by_k in recall.items() for k, v in sorted(by_k.items())]

@@ -31,12 +31,12 @@ import logging
 import torch
 
 from components.config import Params
-from components.data.tokenize import load_tokenizer
 from components.data.finetune_data import load_pairs
+from components.data.tokenize import load_tokenizer
 from components.eval.comparisons import paper_comparisons, run_comparisons
 from components.eval.curve import curve_points, size_tests
 from components.eval.headline import write_headline
-from components.eval.report import report_markdown, write_report
+from components.eval.report import curve_csv, report_markdown, write_report
 from components.eval.rows import eval_sets, qa_rows, retrieval_rows
 from components.io import write_json_atomic, write_text_atomic
 from components.paths import CORPUS, METRICS, PLOTS, TOKENS
@@ -97,13 +97,15 @@ def evaluate(params: Params, run=None) -> dict:
         raise RuntimeError(f"nothing to evaluate: the {split} split has no questions (data/corpus/beir/qrels/{split}.tsv is "
                            "empty) and evaluate.extra_sets is empty; use a source with questions or add an extra set")
     title = title_line(params)
-    n_train = len(load_pairs(CORPUS, "train", with_answers=False))  # what `all` trains on
+    train = CORPUS / "beir/qrels/train.tsv"
+    n_train = len(load_pairs(CORPUS, "train", with_answers=False)) if train.exists() else 0  # what `all` trains on
     points, tests = curve_points(rows, ft, n_train), size_tests(comparisons, ft, n_train)
     write_report(out_dir, rows, training_curves(run), title=title, comparisons=comparisons, label_efficiency=points,
                  size_tests=tests)
-    for name in ("recall_at_k.csv", "label_efficiency.csv"):  # dvc plots: committed, beside the cached metrics/eval/
-        if (out_dir / name).exists():
-            write_text_atomic(PLOTS / name, (out_dir / name).read_text())
+    recall_csv = out_dir / "recall_at_k.csv"
+    if recall_csv.exists():
+        write_text_atomic(PLOTS / "recall_at_k.csv", recall_csv.read_text())
+    write_text_atomic(PLOTS / "label_efficiency.csv", curve_csv(points))  # a dvc.yaml out: written with no fine-tune too
     table: dict = {}
     for r in rows:
         table.setdefault(r["dataset"], {})[r["system"]] = {k: v for k, v in r.items() if k not in ("dataset", "system")}
