@@ -203,6 +203,18 @@ def test_matrix_stages_run_through_dvc_each_as_its_own_mlflow_run(tmp_path, shar
     stages = {r.data.tags["dvc.stage"]: r for r in client.search_runs([exp.experiment_id])}
     assert {"finetune_retriever@init-all", "finetune_reader@bm25"} <= set(stages)
     assert all(stages[s].info.status == "FINISHED" for s in ("finetune_retriever@init-all", "finetune_reader@bm25"))
+    # evaluate through DVC writes the curve DVC draws: `dvc plots show` loads every plot evaluate wrote
+    (ws / "models/realm-stale").mkdir(parents=True)
+    (ws / "models/realm-stale/README").write_text("stand-in\n")
+    assert _ran(_repro(ws, env, "--single-item", "evaluate")) == {"evaluate"}
+    curve = (ws / "plots/label_efficiency.csv").read_text().splitlines()
+    assert curve[0].startswith("dataset,start,size,questions") and [line.split(",")[1:3] for line in curve[1:]] == [["init", "all"]]
+    shown = subprocess.run([str(Path(sys.executable).parent / "dvc"), "plots", "show", "--json"], cwd=ws, env=env,
+                           capture_output=True, text=True, timeout=300)
+    plots = json.loads(shown.stdout)
+    failed = {e["name"] for e in plots.get("errors") or []}
+    assert not failed & {"label_efficiency", "label_efficiency_recall", "metrics/eval/label_efficiency.png"}, plots["errors"]
+    assert {"label_efficiency", "label_efficiency_recall", "metrics/eval/label_efficiency.png"} <= set(plots["data"])
 
 
 def test_concurrent_plan_waits_only_for_the_stages_a_stage_needs():
