@@ -18,7 +18,8 @@ by hand from a run whose workspace was lost: `"per_query": null`, its own `compa
 per-seed tests, and the pooled test is left out.
 
 Writes bench/results/small_seeds.json and prints Markdown for docs/results.md: per-seed rows,
-stage wall times, and each comparison with its delta and two-sided p per seed and pooled (the
+stage wall times, the label-efficiency curve's per-size tests (ft:retromae@N vs ft:mlm@N and
+ft:init@N, for every size the seeds ran), and each comparison with its delta and two-sided p per seed and pooled (the
 paired randomisation test over every (seed, query) pair).
 """
 
@@ -148,12 +149,34 @@ def _seed_label(rec: dict, i: int):
     return i if rec.get("seed") is None else rec["seed"]
 
 
+def curve_sizes(seeds: list[dict]) -> list[int]:
+    """The smaller training sizes of the label-efficiency curve the seeds ran (`ft:retromae@<size>` rows)."""
+    return sorted({int(name.rpartition("@")[2]) for rec in seeds for name in rec["rows"]
+                   if name.startswith("ft:retromae@") and name.rpartition("@")[2].isdigit()})
+
+
+def size_table(res: dict) -> list[str]:
+    """RetroMAE's label-efficiency claim: ft:retromae vs ft:mlm / ft:init at every size, per seed and pooled."""
+    def size(c: dict) -> float:
+        return float(c["a"].rpartition("@")[2]) if "@" in c["a"] else float("inf")  # ft:retromae: the largest size
+
+    tests = sorted((c for c in res["comparisons"] if c["a"].startswith("ft:retromae") and c["b"].startswith(("ft:mlm", "ft:init"))),
+                   key=size)
+    lines = ["", "Label efficiency, per training size (`ft:<start>` is the largest; delta (p) per seed, and pooled):", "",
+             "| A | B | Metric | Per seed | Pooled delta (p) |", "|---|---|---|---|---:|"]
+    for c in tests:
+        per = "; ".join(f"{s['delta']:+.3f} ({s['p']:.4f})" for s in c["per_seed"])
+        pooled = "-" if c["pooled"] is None else f"{c['pooled']['delta']:+.3f} ({c['pooled']['p']:.4f})"
+        lines.append(f"| {c['a']} | {c['b']} | {c['metric']} | {per} | {pooled} |")
+    return lines if tests else []
+
+
 def collect(sources: list[Path]) -> dict:
     """Every paper comparison per seed, and pooled over the (seed, query) pairs of the seeds whose
     per-query scores were kept (at least two; a summary without them gives its own test only)."""
     seeds = [load_seed(src) for src in sources]
     comparisons = []
-    for c in paper_comparisons("retromae"):
+    for c in paper_comparisons("retromae", curve_sizes(seeds)):
         for metric in c.metrics:
             per_seed, pooled_a, pooled_b, pooled_seeds = [], {}, {}, []
             for i, rec in enumerate(seeds):
@@ -208,6 +231,7 @@ def markdown(res: dict) -> str:
         pooled = c["pooled"]
         tail = f"{pooled['delta']:+.3f} | {pooled['p']:.4f} | {pooled['n']}" if pooled else "- | - | -"
         lines.append(f"| {c['a']} | {c['b']} | {c['metric']} | {per} | {tail} |")
+    lines += size_table(res)
     lines += ["", "Stage wall times (seconds; MLflow run start to end):", "",
               "| Stage | " + " | ".join(f"seed {_seed_label(s, i)}" for i, s in enumerate(seeds)) + " |", "|---|" + "---:|" * len(seeds)]
     for st in STAGES:

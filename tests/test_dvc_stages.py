@@ -3,6 +3,7 @@ and changing a `tokenize.*` param reruns only `tokenize` (and what follows), nev
 `dvc.yaml` and `components/paths.py` name the same folders."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -62,6 +63,41 @@ def test_dvc_yaml_names_the_folders_of_components_paths():
         if name.startswith(("pretrain_retromae", "pretrain_mlm", "finetune_")) or name == "pretrain_realm@refreshed":
             assert str(paths.stage_metrics(name.replace("pretrain_realm@refreshed", "pretrain_realm"))) in uncached, name
         assert _names(spec.get("metrics")) == (["metrics/headline"] if name == "evaluate" else []), name
+
+
+def test_plots_draw_every_plot_file_with_templates_that_read_its_columns():
+    """`plots:` names each CSV a stage writes (cache: false) and evaluate's figures; a template parses
+    and every field it reads is a column of its CSV (or DVC's own `rev`)."""
+    from components.eval.report import CURVE_COLUMNS
+
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    plots = {name: p for entry in spec["plots"] for name, p in (entry.items() if isinstance(entry, dict) else [(entry, {})])}
+    written = {f for s in dvc_stages().values() for f in _names(s.get("outs")) if f.startswith("plots/") and f.endswith(".csv")}
+    drawn = {f for p in plots.values() for f in (p.get("y") or {})}
+    assert "plots/label_efficiency.csv" in written and written == drawn
+    assert {"metrics/eval/recall_at_k.png", "metrics/eval/label_efficiency.png"} <= set(plots)
+    columns = {"plots/label_efficiency.csv": set(CURVE_COLUMNS), "plots/recall_at_k.csv": {"system", "k", "recall"}}
+    for name in ("label_efficiency", "label_efficiency_recall", "recall_at_k"):
+        p = plots[name]
+        template = json.loads((ROOT / p["template"]).read_text())
+        text = json.dumps(template)
+        assert "<DVC_METRIC_DATA>" in text and "<DVC_METRIC_X>" in text and "<DVC_METRIC_Y>" in text, name
+        (csv_file, y), = p["y"].items()
+        assert {p["x"], y} <= columns[csv_file], name
+        fields = {v for k, v in _walk(template) if k == "field" and not v.startswith("<DVC_METRIC_")}
+        fields |= {f for k, v in _walk(template) if k == "filter" for f in re.findall(r"datum\.(\w+)", v)}
+        assert fields and fields <= columns[csv_file] | {"rev"}, (name, fields - columns[csv_file])
+    assert plots["label_efficiency"]["y"] == {"plots/label_efficiency.csv": "ndcg_at_10"}
+
+
+def _walk(node):
+    """(key, value) of every string leaf of a JSON document."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from ([(k, v)] if isinstance(v, str) else _walk(v))
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
 
 
 @pytest.mark.slow
@@ -167,6 +203,18 @@ def test_matrix_stages_run_through_dvc_each_as_its_own_mlflow_run(tmp_path, shar
     stages = {r.data.tags["dvc.stage"]: r for r in client.search_runs([exp.experiment_id])}
     assert {"finetune_retriever@init-all", "finetune_reader@bm25"} <= set(stages)
     assert all(stages[s].info.status == "FINISHED" for s in ("finetune_retriever@init-all", "finetune_reader@bm25"))
+    # evaluate through DVC writes the curve DVC draws: `dvc plots show` loads every plot evaluate wrote
+    (ws / "models/realm-stale").mkdir(parents=True)
+    (ws / "models/realm-stale/README").write_text("stand-in\n")
+    assert _ran(_repro(ws, env, "--single-item", "evaluate")) == {"evaluate"}
+    curve = (ws / "plots/label_efficiency.csv").read_text().splitlines()
+    assert curve[0].startswith("dataset,start,size,questions") and [line.split(",")[1:3] for line in curve[1:]] == [["init", "all"]]
+    shown = subprocess.run([str(Path(sys.executable).parent / "dvc"), "plots", "show", "--json"], cwd=ws, env=env,
+                           capture_output=True, text=True, timeout=300)
+    plots = json.loads(shown.stdout)
+    failed = {e["name"] for e in plots.get("errors") or []}
+    assert not failed & {"label_efficiency", "label_efficiency_recall", "metrics/eval/label_efficiency.png"}, plots["errors"]
+    assert {"label_efficiency", "label_efficiency_recall", "metrics/eval/label_efficiency.png"} <= set(plots["data"])
 
 
 def test_concurrent_plan_waits_only_for_the_stages_a_stage_needs():

@@ -36,6 +36,23 @@ def _save_random_encoder(p, tok, folder: Path, seed: int) -> None:
     save_encoder(enc, tok, folder)
 
 
+def _save_sentence_transformers(tok, folder: Path):
+    """A sentence-transformers folder (mean pooling + Normalize) over a tiny random BERT; returns the BERT."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32), add_pooling_layer=False).eval()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                                                     {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                                                     {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling/config.json").write_text(json.dumps({"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
+    return model
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A workspace after pretrain_realm, finetune and evaluate (test split)."""
@@ -48,16 +65,19 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_table")
     saved = {k: os.environ.pop(k, None) for k in ("RR_PARENT_RUN_ID", "MLFLOW_RUN_ID")}
     with contextlib.chdir(root):
-        p = tiny_params(**{"finetune.qa_gold_steps": 2, "finetune.train_sizes": [8, "all"]})
+        overrides = {"finetune.qa_gold_steps": 2, "finetune.train_sizes": [8, "all"]}
+        p = tiny_params(**overrides)
         build_data_and_encoders(Path("."), p, ("retromae/encoder",))
         tok = load_tokenizer(paths.TOKENS / "tokenizer")
         _save_random_encoder(p, tok, paths.INIT_ENCODER, 1)
         _save_random_encoder(p, tok, paths.MLM_ENCODER, 2)
+        _save_sentence_transformers(tok, root / "warm")
         realm = {arm: train_realm(p, None, log_artifacts=False, arm=arm) for arm in ("refreshed", "stale")}
         retrievers = {f"{s}-{n}": finetune_retriever(p, None, f"{s}-{n}") for s in p.finetune.retrieval_inits
                       for n in p.finetune.train_sizes}
         readers = {s: finetune_reader(p, None, s) for s in ("bm25", "realm", "realm-stale")}
-        out = evaluate(p)
+        # evaluated with an off-the-shelf reference (a tiny sentence-transformers folder): the curve's flat line
+        out = evaluate(tiny_params(**overrides, **{"warm_start.path": str(root / "warm")}))
     os.environ.update({k: v for k, v in saved.items() if v is not None})
     return {"root": root, "params": p, "realm": realm, "retrievers": retrievers, "readers": readers, "eval": out}
 
@@ -88,6 +108,91 @@ def test_each_ft_row_fine_tunes_from_the_encoder_it_names(world):
     assert [x for x in systems if x.startswith("ft:")] == ["ft:init", "ft:init@8", "ft:mlm", "ft:mlm@8", "ft:retromae",
                                                            "ft:retromae@8", "ft:realm", "ft:realm@8"]
     assert {"bm25", "init", "retromae", "mlm", "ict", "realm", "realm-stale"} <= set(systems)  # ict: realm.ict_steps > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# RetroMAE's claim as a label-efficiency curve: plots/label_efficiency.csv, its PNG, per-size tests
+# ----------------------------------------------------------------------------------------------
+def _curve_csv(root: Path) -> list[dict]:
+    import csv
+
+    return list(csv.DictReader((root / "plots/label_efficiency.csv").open()))
+
+
+def test_curve_has_one_point_per_start_and_size_and_the_reference_at_each(world):
+    from components.data.finetune_data import load_pairs
+
+    root, p = world["root"], world["params"]
+    n_train = len(load_pairs(root / paths.CORPUS, "train", with_answers=False))
+    assert n_train > 8  # else the two sizes are one point
+    points = _curve_csv(root)
+    assert (root / paths.METRICS / "eval/label_efficiency.csv").read_text() == (root / "plots/label_efficiency.csv").read_text()
+    rows = {r["system"]: r for r in world["eval"]["rows"]}
+    ft = [r for r in points if r["kind"] == "fine-tuned"]
+    assert sorted((r["start"], r["size"]) for r in ft) == sorted((s, str(n)) for s in p.finetune.retrieval_inits for n in (8, "all"))
+    for start in p.finetune.retrieval_inits:
+        line = [r for r in ft if r["start"] == start]
+        assert [int(r["questions"]) for r in line] == [8, n_train]  # numeric, increasing; `all` is the count
+        for r, name in zip(line, (f"ft:{start}@8", f"ft:{start}")):
+            assert float(r["ndcg_at_10"]) == pytest.approx(rows[name]["ndcg_at_10"])
+            assert float(r["recall_at_20"]) == pytest.approx(rows[name]["recall_at_20"])
+    ref = [r for r in points if r["kind"] == "reference"]
+    assert {r["start"] for r in ref} == {"warm-start:mean"}
+    assert [int(r["questions"]) for r in ref] == [8, n_train]  # a flat line at every size
+    assert [float(r["ndcg_at_10"]) for r in ref] == pytest.approx([rows["warm-start:mean"]["ndcg_at_10"]] * 2)
+    png = (root / paths.METRICS / "eval/label_efficiency.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+    saved = json.loads((root / paths.METRICS / "eval.json").read_text())
+    assert [(x["start"], x["size"], x["questions"]) for x in saved["label_efficiency"]] == \
+        [(r["start"], r["size"], int(r["questions"])) for r in points]
+
+
+def test_curve_without_a_reference_row_has_no_flat_line(world):
+    from components.eval.curve import curve_points
+
+    rows = [r for r in world["eval"]["rows"] if not r["system"].startswith("warm-start:")]
+    points = curve_points(rows, world["params"].finetune, 100)
+    assert points and all(x["kind"] == "fine-tuned" for x in points)
+    assert {x["questions"] for x in points} == {8, 100}
+
+
+def test_per_size_tests_are_the_paired_tests_and_in_the_report(world):
+    """ft:retromae@N vs ft:mlm@N and vs ft:init@N at every size (the largest: the single-size rows),
+    each the comparison run on the per-query files, in eval.json and in results.md."""
+    root = world["root"]
+    tests = world["eval"]["label_efficiency_tests"]
+    comps = {(c["a"], c["b"], c["metric"]): c for c in world["eval"]["comparisons"]}
+    expect = [(a, b, m) for a, b in (("ft:retromae@8", "ft:mlm@8"), ("ft:retromae@8", "ft:init@8"),
+                                     ("ft:retromae", "ft:mlm"), ("ft:retromae", "ft:init"))
+              for m in ("ndcg_at_10", "recall_at_20")]
+    assert [(t["a"], t["b"], t["metric"]) for t in tests] == expect
+    assert [t["size"] for t in tests] == ["8"] * 4 + ["all"] * 4
+    for t in tests:
+        c = comps[(t["a"], t["b"], t["metric"])]
+        assert (t["delta"], t["p_value"], t["n"]) == (c["delta"], c["p_value"], c["n"])
+        assert 0 <= t["p_value"] <= 1 and t["n"] > 0
+    assert json.loads((root / paths.METRICS / "eval.json").read_text())["label_efficiency_tests"] == json.loads(json.dumps(tests))
+    report = (root / paths.METRICS / "eval/results.md").read_text()
+    assert "Label efficiency" in report and "| main | 8 | 8 | ft:retromae@8 | ft:mlm@8 |" in report
+    assert "| main | all |" in report and "ft:retromae@8" in (root / paths.METRICS / "eval/results.html").read_text()
+
+
+def test_the_dvc_template_draws_the_curve_csv(world):
+    """dvc.yaml's `label_efficiency` plot, filled by DVC's own renderer from the CSV evaluate wrote."""
+    import yaml
+    from dvc_render.vega import VegaRenderer
+
+    from tests.conftest import ROOT as REPO
+
+    plots = {name: spec for entry in yaml.safe_load((REPO / "dvc.yaml").read_text())["plots"] if isinstance(entry, dict)
+             for name, spec in entry.items()}
+    points = [{**r, "rev": "workspace"} for r in _curve_csv(world["root"])]
+    for name in ("label_efficiency", "label_efficiency_recall"):
+        spec = dict(plots[name])
+        (csv_file, y), = spec.pop("y").items()
+        filled = VegaRenderer(points, name, template=str(REPO / spec.pop("template")), y=y, **spec).get_filled_template()
+        assert filled["data"]["values"] and filled["encoding"]["x"]["field"] == "questions"
+        assert filled["encoding"]["x"]["scale"]["type"] == "log" and filled["encoding"]["y"]["field"] == y
 
 
 def test_a_smaller_size_trains_on_a_subset_of_the_larger_one():
@@ -266,7 +371,8 @@ def test_every_comparison_is_the_paired_test_of_its_per_query_files(world):
     out_dir = world["root"] / paths.METRICS / "eval"
     comps = world["eval"]["comparisons"]
     pairs = {(c["a"], c["b"]) for c in comps}
-    assert pairs == {("ft:retromae", "ft:mlm"), ("ft:retromae@8", "ft:mlm@8"), ("ft:retromae", "ft:init"), ("retromae", "mlm"), ("retromae", "init"),
+    assert pairs == {("ft:retromae", "ft:mlm"), ("ft:retromae@8", "ft:mlm@8"), ("ft:retromae@8", "ft:init@8"),
+                     ("ft:retromae", "ft:init"), ("retromae", "mlm"), ("retromae", "init"),
                      ("realm", "realm-stale"), ("realm", "retromae"), ("realm", "ict"), ("qa:realm", "qa:closed-book"),
                      ("qa:realm", "qa:realm-stale"), ("qa:realm", "qa:bm25")}
     for c in comps:
@@ -348,7 +454,6 @@ def test_warm_start_row_pools_in_its_own_mode(world, tmp_path):
     """A sentence-transformers folder (mean pooling + Normalize) is scored with mean-pooled,
     normalised vectors and its own tokenizer; the row is named after the pooling."""
     import datasets
-    from transformers import BertConfig, BertModel
 
     from components.data.tokenize import load_tokenizer
     from components.eval.rows import warm_start_system
@@ -356,16 +461,7 @@ def test_warm_start_row_pools_in_its_own_mode(world, tmp_path):
     root = world["root"]
     tok = load_tokenizer(root / paths.TOKENS / "tokenizer")
     folder = tmp_path / "st"
-    torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=32), add_pooling_layer=False).eval()
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                                                     {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-                                                     {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling/config.json").write_text(json.dumps({"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
+    model = _save_sentence_transformers(tok, folder)
     blocks = datasets.load_from_disk(str(root / paths.TOKENS / "blocks"))
     name, enc, own_tok, own_blocks = warm_start_system(tiny_params(**{"warm_start.path": str(folder)}), blocks)
     assert name == "warm-start:mean" and len(own_blocks["input_ids"]) == len(blocks)

@@ -92,3 +92,27 @@ def test_report_title_first_then_table_then_comparisons(tmp_path: Path):
         (row,) = list(csv.DictReader(f))
     assert row["p_value"] == "0.0312" and row["metric"] == "recall_at_20"
     assert "comparisons_csv" not in write_report(tmp_path / "plain", ROWS)  # none given, none written
+
+
+def test_label_efficiency_csv_png_and_size_table(tmp_path: Path):
+    """The curve's points -> label_efficiency.csv (long format, one row per point) and its PNG; the
+    per-size tests -> one line per (set, size, B) with a delta (p) cell per metric, after the comparisons."""
+    from components.eval.report import CURVE_COLUMNS, size_tests_table
+
+    points = [{"dataset": "main", "start": s, "size": size, "questions": q, "kind": kind, "ndcg_at_10": v, "recall_at_20": v + 0.1}
+              for s, kind in (("mlm", "fine-tuned"), ("retromae", "fine-tuned"), ("warm-start:mean", "reference"))
+              for (size, q), v in zip((("32", 32), ("all", 480)), (0.2, 0.4))]
+    tests = [{"dataset": "main", "size": "32", "questions": 32, "a": "ft:retromae@32", "b": "ft:mlm@32", "metric": m,
+              "delta": 0.05, "p_value": 0.0123, "n": 100} for m in ("ndcg_at_10", "recall_at_20")]
+    out = write_report(tmp_path / "eval", ROWS, label_efficiency=points, size_tests=tests)
+    with open(out["curve_csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == CURVE_COLUMNS and len(rows) == len(points)
+    assert rows[-1] == {"dataset": "main", "start": "warm-start:mean", "size": "all", "questions": "480", "kind": "reference",
+                        "ndcg_at_10": "0.4", "recall_at_20": "0.5"}
+    assert out["curve_png"].read_bytes().startswith(PNG_MAGIC)
+    line = "| main | 32 | 32 | ft:retromae@32 | ft:mlm@32 | +0.050 (0.012) | +0.050 (0.012) | 100 |"
+    assert size_tests_table(tests).splitlines()[2] == line
+    assert out["markdown"].read_text().rstrip().splitlines()[-1] == line
+    assert "ft:retromae@32" in out["html"].read_text()
+    assert "curve_csv" not in write_report(tmp_path / "plain", ROWS)  # no points, no curve

@@ -14,15 +14,17 @@ from components.eval.comparisons import per_query_path
 from components.eval.significance import paired_test
 
 
-def _workspace(tmp_path, name: str, shift: float):
-    """A finished run's files: metrics/eval.json and the per-query scores of retromae and mlm."""
+def _workspace(tmp_path, name: str, shift: float, scores: dict | None = None):
+    """A finished run's files: metrics/eval.json and the per-query scores of retromae and mlm (or of
+    `scores`; every system but the first is `shift` lower)."""
     ws = tmp_path / name
-    scores = {"retromae": [0.9, 0.8, 0.7, 0.6, 0.5], "mlm": [0.5, 0.6, 0.4, 0.3, 0.2]}
+    scores = scores or {"retromae": [0.9, 0.8, 0.7, 0.6, 0.5], "mlm": [0.5, 0.6, 0.4, 0.3, 0.2]}
+    first = next(iter(scores))
     rows = {}
     for system, vals in scores.items():
         path = per_query_path(ws / "metrics/eval", "main", system)
         path.parent.mkdir(parents=True, exist_ok=True)
-        vals = [v - shift for v in vals] if system == "mlm" else vals
+        vals = [v - shift for v in vals] if system != first else vals
         path.write_text("".join(json.dumps({"qid": f"q{i}", "ndcg_at_10": v, "recall_at_20": 1.0}) + "\n"
                                 for i, v in enumerate(vals)))
         rows[system] = {"ndcg_at_10": sum(vals) / len(vals), "recall_at_20": 1.0}
@@ -80,3 +82,18 @@ def test_a_summary_without_per_query_scores_stays_out_of_the_pooled_test(tmp_pat
     md = small_seeds.markdown(res)
     assert "pooled over every (seed, query) pair of seeds 1, 2" in md and "| Stage | seed 0 | seed 1 | seed 2 |" in md
     assert "| **pipeline (wall)** | - | 125.0 | 125.0 |" in md
+
+
+def test_the_curve_sizes_pool_over_seeds(tmp_path, archive_dir):
+    """Every size the seeds fine-tuned on gets ft:retromae@N vs ft:mlm@N and vs ft:init@N, pooled."""
+    vals = [0.9, 0.8, 0.7, 0.6, 0.5]
+    systems = {name: vals for name in ("ft:retromae@8", "ft:mlm@8", "ft:init@8", "ft:retromae", "ft:mlm", "ft:init")}
+    res = small_seeds.collect([small_seeds.archive(_workspace(tmp_path, f"seed{i}", 0.1 * (i + 1), systems), i) for i in (0, 1)])
+    pairs = {(c["a"], c["b"]) for c in res["comparisons"]}
+    assert {("ft:retromae@8", "ft:mlm@8"), ("ft:retromae@8", "ft:init@8"), ("ft:retromae", "ft:mlm"), ("ft:retromae", "ft:init")} <= pairs
+    c = next(c for c in res["comparisons"] if (c["a"], c["b"], c["metric"]) == ("ft:retromae@8", "ft:mlm@8", "ndcg_at_10"))
+    assert c["pooled"]["n"] == 10 and c["pooled"]["delta"] == pytest.approx(0.15) and 0 <= c["pooled"]["p"] <= 1
+    md = small_seeds.markdown(res)
+    table = md[md.index("Label efficiency"):].splitlines()
+    assert table[4].startswith("| ft:retromae@8 | ft:mlm@8 | ndcg_at_10 | +0.100 (0.0625); +0.200 (0.0625) | +0.150 (")
+    assert any(line.startswith("| ft:retromae | ft:init |") for line in table)  # the largest size last

@@ -32,16 +32,22 @@ class Comparison:
     question: str  # what the comparison asks, in the papers' terms
 
 
+def ft_row(start: str, size: int | str, largest: int | str) -> str:
+    """The eval row of `finetune_retriever@<start>-<size>`: `ft:<start>` at the largest size, else `ft:<start>@<size>`."""
+    return f"ft:{start}" if str(size) == str(largest) else f"ft:{start}@{size}"
+
+
 def paper_comparisons(realm_start: str | None = "retromae", smaller_sizes: Sequence[int | str] = ()) -> list[Comparison]:
     """RetroMAE's and REALM's claims as (A, B) pairs. `realm_start`: the zero-shot row REALM's
     retriever started from (its `realm.retriever_init`; None when it started from random towers,
     which no row holds). `smaller_sizes`: the `finetune.train_sizes` below the largest, whose
-    `ft:<start>@<size>` rows RetroMAE's label-efficiency claim compares."""
+    `ft:<start>@<size>` rows RetroMAE's label-efficiency claim compares (against `ft:mlm@<size>` and `ft:init@<size>`)."""
     r = RETRIEVAL_METRICS
     comps = [
         Comparison("ft:retromae", "ft:mlm", r, "RetroMAE: a better retriever than MLM after the same fine-tuning"),
-        *(Comparison(f"ft:retromae@{n}", f"ft:mlm@{n}", r, f"RetroMAE vs MLM after fine-tuning on {n} questions")
-          for n in smaller_sizes),
+        *(c for n in smaller_sizes for c in (
+            Comparison(f"ft:retromae@{n}", f"ft:mlm@{n}", r, f"RetroMAE vs MLM after fine-tuning on {n} questions"),
+            Comparison(f"ft:retromae@{n}", f"ft:init@{n}", r, f"RetroMAE vs no pre-training after fine-tuning on {n} questions"))),
         Comparison("ft:retromae", "ft:init", r, "RetroMAE: pre-training helps the fine-tuned retriever"),
         Comparison("retromae", "mlm", r, "RetroMAE's mechanism: the [CLS] bottleneck, zero-shot"),
         Comparison("retromae", "init", r, "RetroMAE zero-shot against its starting point"),

@@ -101,8 +101,31 @@ def comparisons_table(comparisons: Sequence[Mapping], fmt: str = "markdown", dig
     header = ["A", "B", "Dataset", "Metric", "Delta (A-B)", "p", "n"]
     body = [[str(c["a"]), str(c["b"]), str(c["dataset"]), _metric_name(str(c["metric"])),
              f"{float(c['delta']):+.{digits}f}", f"{float(c['p_value']):.{digits}f}", str(c["n"])] for c in comparisons]
+    return _table(header, body, fmt, right_from=4)
+
+
+SIZE_TESTS_INTRO = ("Label efficiency, RetroMAE's claim (the curve: metrics/eval/label_efficiency.png): ft:retromae "
+                    "against each start fine-tuned on the same questions, at every training size (paired randomisation "
+                    "test over queries; delta = mean(A - B), two-sided p; one seed, bench/small_seeds.py pools seeds)")
+
+
+def size_tests_table(tests: Sequence[Mapping], fmt: str = "markdown", digits: int = 3) -> str:
+    """The per-size paired tests (`curve.size_tests`): one line per (set, size, B), a delta (p) cell per metric."""
+    metrics = list(dict.fromkeys(str(t["metric"]) for t in tests))
+    lines: dict[tuple, dict] = {}
+    for t in tests:
+        line = lines.setdefault((t["dataset"], t["size"], t["b"]), {"t": t, "cells": {}})
+        line["cells"][t["metric"]] = f"{float(t['delta']):+.{digits}f} ({float(t['p_value']):.{digits}f})"
+    header = ["Dataset", "Size", "Questions", "A", "B", *(f"{_metric_name(m)} delta (p)" for m in metrics), "n"]
+    body = [[str(v["t"]["dataset"]), str(v["t"]["size"]), str(v["t"]["questions"]), str(v["t"]["a"]), str(v["t"]["b"]),
+             *(v["cells"].get(m, "-") for m in metrics), str(v["t"]["n"])] for v in lines.values()]
+    return _table(header, body, fmt, right_from=5)
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]], fmt: str, right_from: int) -> str:
     if fmt == "markdown":
-        lines = ["| " + " | ".join(header) + " |", "|---|---|---|---|---:|---:|---:|"]
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join(["---"] * right_from + ["---:"] * (len(header) - right_from)) + "|"]
         lines += ["| " + " | ".join(t.replace("|", "\\|") for t in line) + " |" for line in body]
         return "\n".join(lines) + "\n"
     if fmt == "html":
@@ -113,14 +136,17 @@ def comparisons_table(comparisons: Sequence[Mapping], fmt: str = "markdown", dig
 
 
 def report_markdown(rows: Sequence[Mapping], title: str | None = None, comparisons: Sequence[Mapping] = (),
-                    digits: int = 3) -> str:
+                    digits: int = 3, size_tests: Sequence[Mapping] = ()) -> str:
     """The whole Markdown report: `title` as its first line (what was evaluated: split, preset),
-    the results table, and the paired comparisons."""
+    the results table, the paired comparisons, and the per-size tests of the label-efficiency curve."""
     parts = [f"{title}\n"] if title else []
     parts.append(results_table(rows, "markdown", digits))
     if comparisons:
         parts.append("Paired comparisons (randomisation test over queries; delta = mean(A - B), two-sided p):\n")
         parts.append(comparisons_table(comparisons, "markdown", digits))
+    if size_tests:
+        parts.append(SIZE_TESTS_INTRO + ":\n")
+        parts.append(size_tests_table(size_tests, "markdown", digits))
     return "\n".join(parts)
 
 
@@ -196,19 +222,62 @@ def _curves_figure(curves: Mapping[str, Sequence[tuple[float, float]]]):
     return fig
 
 
+CURVE_COLUMNS = ("dataset", "start", "size", "questions", "kind", "ndcg_at_10", "recall_at_20")
+
+
+def curve_csv(points: Sequence[Mapping]) -> str:
+    """The label-efficiency points as CSV (`CURVE_COLUMNS`; the header alone when there are none)."""
+    return _csv(CURVE_COLUMNS, [[p.get(c) for c in CURVE_COLUMNS] for p in points])
+
+
+def _label_efficiency_figure(points: Sequence[Mapping]):
+    """nDCG@10 and R@20 against training questions (log x), one line per start; the reference dashed."""
+    from matplotlib.figure import Figure
+
+    many = len({p["dataset"] for p in points}) > 1
+    lines: dict[str, list[Mapping]] = {}
+    for p in points:
+        lines.setdefault(f"{p['start']} / {p['dataset']}" if many else str(p["start"]), []).append(p)
+    xs = sorted({int(p["questions"]) for p in points})
+    fig = Figure(figsize=(10, 4))
+    for i, (metric, name) in enumerate((("ndcg_at_10", "nDCG@10"), ("recall_at_20", "R@20"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for label, pts in lines.items():
+            pts = [p for p in pts if p.get(metric) is not None]
+            ref = pts and pts[0]["kind"] == "reference"
+            ax.plot([p["questions"] for p in pts], [p[metric] for p in pts], label=f"{label} (zero-shot)" if ref else label,
+                    marker=None if ref else "o", ls="--" if ref else "-", color="0.4" if ref else None)
+        if xs and xs[-1] / max(xs[0], 1) >= 4:
+            ax.set_xscale("log")  # 32 .. 10k questions: the paper's few-label end needs the room
+            ax.minorticks_off()
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("training questions")
+        ax.set_ylabel(name)
+        ax.set_ylim(0, None)  # from 0, top fitted: the starts differ by a few points, which [0, 1] flattens
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"{name} after fine-tuning")
+    ax.legend(fontsize=8)
+    return fig
+
+
 def write_plots(
     out_dir: str | os.PathLike,
     recall: Mapping[str, Mapping[int, float]] | None = None,
     curves: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+    label_efficiency: Sequence[Mapping] = (),
 ) -> dict[str, Path]:
     """PNGs + long-format CSVs; returns {name: path} of what was written.
 
     recall: {system: {k: recall@k}} -> recall_at_k.png, recall_at_k.csv (system,k,recall)
     curves: {name: [(step, value), ...]} -> training_curves.png (one panel per name, side by
             side), training_curves.csv (name,step,value)
+    label_efficiency: `curve.curve_points` -> label_efficiency.png, label_efficiency.csv (`CURVE_COLUMNS`)
     """
     out_dir = Path(out_dir)
     written: dict[str, Path] = {}
+    if label_efficiency:
+        written["curve_csv"] = write_text_atomic(out_dir / "label_efficiency.csv", curve_csv(label_efficiency))
+        written["curve_png"] = write_bytes_atomic(out_dir / "label_efficiency.png", _png(_label_efficiency_figure(label_efficiency)))
     if recall:
         rows = [(label, k, v) for label, by_k in recall.items() for k, v in sorted(by_k.items())]
         written["recall_csv"] = write_text_atomic(out_dir / "recall_at_k.csv", _csv(("system", "k", "recall"), rows))
@@ -227,22 +296,26 @@ def write_report(
     digits: int = 3,
     title: str | None = None,
     comparisons: Sequence[Mapping] = (),
+    label_efficiency: Sequence[Mapping] = (),
+    size_tests: Sequence[Mapping] = (),
 ) -> dict[str, Path]:
     """results.md (`report_markdown`), results.html, comparisons.csv (when there are comparisons),
-    and the plots/CSVs of `write_plots` (recall taken from `rows`)."""
+    and the plots/CSVs of `write_plots` (recall taken from `rows`; the label-efficiency curve's points)."""
     out_dir = Path(out_dir)
     body = results_table(rows, "html", digits)
     if comparisons:
         body += "<p>Paired comparisons (randomisation test over queries):</p>\n" + comparisons_table(comparisons, "html", digits)
+    if size_tests:
+        body += f"<p>{html.escape(SIZE_TESTS_INTRO)}:</p>\n" + size_tests_table(size_tests, "html", digits)
     written = {
-        "markdown": write_text_atomic(out_dir / "results.md", report_markdown(rows, title, comparisons, digits)),
+        "markdown": write_text_atomic(out_dir / "results.md", report_markdown(rows, title, comparisons, digits, size_tests)),
         "html": write_text_atomic(out_dir / "results.html", _html_page(body, title)),
     }
     if comparisons:
         keys = ("dataset", "a", "b", "metric", "delta", "p_value", "n", "question")
         written["comparisons_csv"] = write_text_atomic(out_dir / "comparisons.csv",
                                                        _csv(keys, [[c.get(k) for k in keys] for c in comparisons]))
-    written.update(write_plots(out_dir, recall_by_system(rows), curves))
+    written.update(write_plots(out_dir, recall_by_system(rows), curves, label_efficiency))
     return written
 
 

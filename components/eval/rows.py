@@ -24,7 +24,7 @@ import datasets
 from components.config import Params
 from components.data.beir import load_beir, read_qa
 from components.data.tokenize import split_retrieval_blocks, tokenize_passages
-from components.eval.comparisons import per_query_path
+from components.eval.comparisons import ft_row, per_query_path
 from components.eval.dense import HFEncoder, dense_run, sentence_transformers_mode
 from components.eval.metrics import exact_match, f1, qa_metrics, retrieval_metrics
 from components.io import write_jsonl_atomic
@@ -84,7 +84,7 @@ def finetuned_systems(ft, folder: Path = FINETUNE_RETRIEVERS) -> dict[str, Path]
             found.append((start, size, p))
     order = lambda t: (FT_ORDER.index(t[0]) if t[0] in FT_ORDER else len(FT_ORDER), t[0], t[1] != top,  # noqa: E731
                        int(t[1]) if t[1].isdigit() else 0)
-    return {(f"ft:{s}" if n == top else f"ft:{s}@{n}"): p for s, n, p in sorted(found, key=order)}
+    return {ft_row(s, n, top): p for s, n, p in sorted(found, key=order)}
 
 
 def _encoder_systems() -> dict[str, Path]:

@@ -18,9 +18,11 @@ Rows per evaluation set (the pipeline's own `evaluate.split` split, plus `evalua
   qa:<system>       open-QA EM/F1, one reader per system trained with one recipe (models/finetune/open_qa/<system>):
                     qa:closed-book (null document only), qa:bm25, qa:realm, qa:realm-stale (each arm's own index)
 The rows themselves: components/eval/rows.py.
-Outputs: metrics/eval.json (dvc metrics: {set: {system: metrics}}, `split`, `comparisons`),
-metrics/eval/<set>/<system>.jsonl (per query; `:` -> `_` in file names), metrics/eval/results.{md,html},
-comparisons.csv + PNGs, plots/recall_at_k.csv (dvc plots).
+Outputs: metrics/eval.json (dvc metrics: {set: {system: metrics}}, `split`, `comparisons`,
+`label_efficiency` and `label_efficiency_tests`: the curve's points and its per-size paired tests,
+components/eval/curve.py), metrics/eval/<set>/<system>.jsonl (per query; `:` -> `_` in file names),
+metrics/eval/results.{md,html}, comparisons.csv + PNGs (label_efficiency.png: the curve),
+plots/recall_at_k.csv and plots/label_efficiency.csv (dvc plots).
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ import logging
 import torch
 
 from components.config import Params
+from components.data.finetune_data import load_pairs
 from components.data.tokenize import load_tokenizer
 from components.eval.comparisons import paper_comparisons, run_comparisons
+from components.eval.curve import curve_points, size_tests
 from components.eval.headline import write_headline
-from components.eval.report import report_markdown, write_report
+from components.eval.report import curve_csv, report_markdown, write_report
 from components.eval.rows import eval_sets, qa_rows, retrieval_rows
 from components.io import write_json_atomic, write_text_atomic
-from components.paths import METRICS, PLOTS, TOKENS
+from components.paths import CORPUS, METRICS, PLOTS, TOKENS
 from components.tracking import latest_stage_run
 from components.training.trainer import autocast_for
 
@@ -94,15 +98,22 @@ def evaluate(params: Params, run=None) -> dict:
         raise RuntimeError(f"nothing to evaluate: the {split} split has no questions (data/corpus/beir/qrels/{split}.tsv is "
                            "empty) and evaluate.extra_sets is empty; use a source with questions or add an extra set")
     title = title_line(params)
-    write_report(out_dir, rows, training_curves(run), title=title, comparisons=comparisons)
+    train = CORPUS / "beir/qrels/train.tsv"
+    n_train = len(load_pairs(CORPUS, "train", with_answers=False)) if train.exists() else 0  # what `all` trains on
+    points, tests = curve_points(rows, ft, n_train), size_tests(comparisons, ft, n_train)
+    write_report(out_dir, rows, training_curves(run), title=title, comparisons=comparisons, label_efficiency=points,
+                 size_tests=tests)
     recall_csv = out_dir / "recall_at_k.csv"
     if recall_csv.exists():
         write_text_atomic(PLOTS / "recall_at_k.csv", recall_csv.read_text())
+    write_text_atomic(PLOTS / "label_efficiency.csv", curve_csv(points))  # a dvc.yaml out: written with no fine-tune too
     table: dict = {}
     for r in rows:
         table.setdefault(r["dataset"], {})[r["system"]] = {k: v for k, v in r.items() if k not in ("dataset", "system")}
-    write_json_atomic(METRICS / "eval.json", {**table, "split": params.evaluate.split, "comparisons": comparisons})
+    write_json_atomic(METRICS / "eval.json", {**table, "split": params.evaluate.split, "comparisons": comparisons,
+                                              "label_efficiency": points, "label_efficiency_tests": tests})
     write_headline(METRICS / "headline", table, params.evaluate.recall_at, METRICS)  # what `dvc metrics show` prints
-    report = report_markdown(rows, title, comparisons)
+    report = report_markdown(rows, title, comparisons, size_tests=tests)
     print(report)
-    return {"rows": rows, "table": table, "comparisons": comparisons, "report": report}
+    return {"rows": rows, "table": table, "comparisons": comparisons, "label_efficiency": points,
+            "label_efficiency_tests": tests, "report": report}
