@@ -15,7 +15,8 @@ with the model, index and collator the stage uses (eval mode: no dropout):
 * gradient: g = d loss / d theta of REALM's marginal likelihood w.r.t. the query tower (with shared
   towers, the towers), one vector per batch of B queries; cos(g_i, g_i+1) over consecutive batches.
   The reference: the same for a supervised in-batch-negatives loss on the corpus's train questions
-  and their gold paragraph's block (`ICTModel`'s loss), and cos(mean g_realm, mean g_supervised).
+  and their gold paragraph's block (`ICTModel`'s loss), and cos(mean g_realm, mean g_supervised);
+  the same for ICT's loss (the retriever's warm-up), a second reference.
 
     ws = load_workspace(Path("."), arm="refreshed")
     result = run_diagnostic(ws, n_queries=96, batch_size=8, seed=0)
@@ -35,6 +36,7 @@ import torch
 from components import paths
 from components.config import Params, load_params
 from components.data.finetune_data import load_pairs
+from components.data.ict_batch import ICTCollator, ict_eligible_rows
 from components.data.realm_batch import (RealmCollator, RealmQuery, collate, collate_queries, fixed_queries, masked_answer,
                                          passage_batch, passage_columns)
 from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
@@ -207,9 +209,39 @@ def realm_gradient(model: REALM, batch: dict[str, torch.Tensor]) -> torch.Tensor
             p.requires_grad_(s)
 
 
-def supervised_gradient(retriever: Retriever, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The gradient of the in-batch-negatives contrastive loss (questions vs their gold blocks)."""
+def contrastive_gradient(retriever: Retriever, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The gradient of the in-batch-negatives contrastive loss (`ICTModel`'s) of `{q_*, d_*}` batches:
+    questions vs their gold blocks (`supervised_batches`), or ICT's sentences vs their blocks."""
     return flat_grad(ICTModel(retriever)(batch)["loss"], query_tower_params(retriever))
+
+
+def gradient_series(grad_fn, batches) -> tuple[list[float], list[float], torch.Tensor | None]:
+    """(cosines of consecutive batches' gradients, their norms, their sum), holding two vectors at a
+    time (a MiniLM tower's gradient is 90 MB)."""
+    cos, norms, total, prev = [], [], None, None
+    for b in batches:
+        g = grad_fn(b)
+        norms.append(float(g.norm()))
+        total = g.clone() if total is None else total.add_(g)
+        if prev is not None:
+            cos.append(cosine(prev, g))
+        prev = g
+    return cos, norms, total
+
+
+def ict_batches(ws: RealmWorkspace, n: int, batch_size: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Up to n ICT batches (`ICTCollator` at `realm.ict_mask_rate`: a sentence vs the rest of its
+    block) of blocks drawn in a seeded order: the warm-up's gradient, a second reference."""
+    p, blocks = ws.params.realm, ws.blocks
+    order, rows, chunk = np.random.default_rng(seed).permutation(len(blocks)).tolist(), [], max(4 * n * batch_size, 64)
+    for i in range(0, len(order), chunk):
+        part = order[i:i + chunk]
+        rows += [part[j] for j in ict_eligible_rows(blocks.select(part))]
+        if len(rows) >= n * batch_size:
+            break
+    collator = ICTCollator(blocks, p, ws.special, p.ict_mask_rate)
+    return [collator(rows[i:i + batch_size], generator=torch.Generator().manual_seed(seed + i))
+            for i in range(0, min(len(rows), n * batch_size) - batch_size + 1, batch_size)]
 
 
 def supervised_batches(ws: RealmWorkspace, n: int, batch_size: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -273,7 +305,7 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
     acc = {s: [] for s in SLOTS}
     gap, gap_tok, cand_gap, ent, p_null, any_answer, log_k = [], [], [], [], [], [], []
     r_groups: dict[str, list[float]] = {}
-    realm_cos, realm_norm, realm_sum, realm_prev = [], [], None, None  # two vectors at a time, never one per batch
+    realm_batches = []  # (the token ids are small; the gradients are taken one batch at a time below)
     batches = [queries[i:i + batch_size] for i in range(0, len(queries) - batch_size + 1, batch_size)]  # full batches only
     for bi, qs in enumerate(batches):
         ans, ab = answers[bi * batch_size:(bi + 1) * batch_size], about[bi * batch_size:(bi + 1) * batch_size]
@@ -314,29 +346,20 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
                         same = article[int(rows[b, k])] == article[q.source_row]
                         group += "_same_article" if same else "_other_article"
                     r_groups.setdefault(group, []).append(float(r[b, k]))
-        # the retriever's gradient on this batch; consecutive cosines without keeping every vector
-        g = realm_gradient(model, batch)
-        realm_norm.append(float(g.norm()))
-        realm_sum = g.clone() if realm_sum is None else realm_sum.add_(g)
-        if realm_prev is not None:
-            realm_cos.append(cosine(realm_prev, g))
-        realm_prev = g
+        realm_batches.append(batch)
 
-    sup = supervised_batches(ws, len(batches), batch_size, seed)
-    sup_cos, sup_norm, sup_sum, prev = [], [], None, None
-    for b in sup:
-        g = supervised_gradient(model.retriever, to(b))
-        sup_norm.append(float(g.norm()))
-        sup_sum = g.clone() if sup_sum is None else sup_sum.add_(g)
-        if prev is not None:
-            sup_cos.append(cosine(prev, g))
-        prev = g
-    gradient: dict[str, Any] = {
-        "params": sum(p.numel() for p in query_tower_params(model.retriever)),
-        "realm_batch_cosine": _mean_sd(realm_cos), "realm_grad_norm": _mean_sd(realm_norm),
-        "supervised_batches": len(sup), "supervised_batch_cosine": _mean_sd(sup_cos), "supervised_grad_norm": _mean_sd(sup_norm),
-        "realm_vs_supervised_mean_cosine": cosine(realm_sum, sup_sum) if sup_sum is not None else None,
-    }
+    n = len(batches)
+    series = {"realm": gradient_series(lambda b: realm_gradient(model, b), realm_batches),
+              "supervised": gradient_series(lambda b: contrastive_gradient(model.retriever, to(b)),
+                                            supervised_batches(ws, n, batch_size, seed)),
+              "ict": gradient_series(lambda b: contrastive_gradient(model.retriever, to(b)), ict_batches(ws, n, batch_size, seed))}
+    gradient: dict[str, Any] = {"params": sum(t.numel() for t in query_tower_params(model.retriever))}
+    for name, (cos, norms, total) in series.items():
+        gradient.update({f"{name}_batches": len(norms), f"{name}_batch_cosine": _mean_sd(cos), f"{name}_grad_norm": _mean_sd(norms)})
+    sup = series["supervised"][2]
+    for name in ("realm", "ict"):
+        total = series[name][2]
+        gradient[f"{name}_vs_supervised_mean_cosine"] = cosine(total, sup) if total is not None and sup is not None else None
     return {
         "workspace": str(ws.root), "n_queries": len(batches) * batch_size, "batch_size": batch_size, "seed": seed,
         "top_k": p.top_k, "marginalization": model.marginalization, "index_version": ws.index.version,
