@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--params", type=Path, default=None, help="params file (default: <workspace>/params.yaml)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: <workspace>/metrics/realm_diagnostic[_<arm>].json)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("components.eval.realm_diagnostics").setLevel(logging.INFO)  # its progress lines
 
     from components.eval.realm_diagnostics import format_report, load_workspace, run_diagnostic
     from components.io import write_json_atomic

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import logging
+import time
+
 import numpy as np
 import torch
 
@@ -37,15 +40,18 @@ from components import paths
 from components.config import Params, load_params
 from components.data.finetune_data import load_pairs
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
-from components.data.realm_batch import (RealmCollator, RealmQuery, collate, collate_queries, fixed_queries, masked_answer,
-                                         passage_batch, passage_columns)
+from components.data.realm_batch import (RealmCollator, RealmQuery, collate, collate_queries, fixed_queries, passage_batch,
+                                         passage_columns)
+from components.data.salient_spans import span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
 from components.eval.realm_probes import answer_blocks, same_entity_gold
-from components.data.salient_spans import span_tagger_for
 from components.index.faiss_index import BlockIndex
 from components.models.ict import ICTModel
 from components.models.realm import REALM, knowledge_augmented_inputs
 from components.models.retriever import Retriever
+from components.progress import ProgressClock, format_duration, progress_line
+
+log = logging.getLogger(__name__)
 
 SLOTS = ("null", "own_block", "answer_block", "other_block")  # the reader's fixed documents, in slot order
 
@@ -215,10 +221,10 @@ def contrastive_gradient(retriever: Retriever, batch: dict[str, torch.Tensor]) -
     return flat_grad(ICTModel(retriever)(batch)["loss"], query_tower_params(retriever))
 
 
-def gradient_series(grad_fn, batches) -> tuple[list[float], list[float], torch.Tensor | None]:
+def gradient_series(grad_fn, batches, name: str = "") -> tuple[list[float], list[float], torch.Tensor | None]:
     """(cosines of consecutive batches' gradients, their norms, their sum), holding two vectors at a
     time (a MiniLM tower's gradient is 90 MB)."""
-    cos, norms, total, prev = [], [], None, None
+    cos, norms, total, prev, t0 = [], [], None, None, time.perf_counter()
     for b in batches:
         g = grad_fn(b)
         norms.append(float(g.norm()))
@@ -226,6 +232,7 @@ def gradient_series(grad_fn, batches) -> tuple[list[float], list[float], torch.T
         if prev is not None:
             cos.append(cosine(prev, g))
         prev = g
+    log.info("realm.diagnostic: %s gradients of %d batches in %s", name, len(norms), format_duration(time.perf_counter() - t0))
     return cos, norms, total
 
 
@@ -247,7 +254,7 @@ def ict_batches(ws: RealmWorkspace, n: int, batch_size: int, seed: int) -> list[
 def supervised_batches(ws: RealmWorkspace, n: int, batch_size: int, seed: int) -> list[dict[str, torch.Tensor]]:
     """Up to n batches of `batch_size` train questions (`[CLS] q [SEP]`) and their gold paragraph's
     block (the block of the judged document whose text holds an answer, else its first block),
-    distinct documents within a batch (a repeated paragraph would be a false negative)."""
+    distinct blocks within a batch (a repeated block would be a false negative)."""
     p, blocks = ws.params.realm, ws.blocks
     pairs = load_pairs(ws.root / paths.CORPUS, "train") if (ws.root / paths.CORPUS / "beir" / "qrels" / "train.tsv").is_file() else []
     doc_rows: dict[str, list[int]] = {}
@@ -307,6 +314,7 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
     r_groups: dict[str, list[float]] = {}
     realm_batches = []  # (the token ids are small; the gradients are taken one batch at a time below)
     batches = [queries[i:i + batch_size] for i in range(0, len(queries) - batch_size + 1, batch_size)]  # full batches only
+    clock = ProgressClock(1)  # a line per batch: a MiniLM batch takes about a minute on one CPU core
     for bi, qs in enumerate(batches):
         ans, ab = answers[bi * batch_size:(bi + 1) * batch_size], about[bi * batch_size:(bi + 1) * batch_size]
         B = len(qs)
@@ -347,12 +355,14 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
                         group += "_same_article" if same else "_other_article"
                     r_groups.setdefault(group, []).append(float(r[b, k]))
         realm_batches.append(batch)
+        if clock.due(bi + 1, final=bi + 1 == len(batches)):
+            log.info("%s", progress_line("realm.diagnostic", bi + 1, len(batches), {}, clock.eta(bi + 1, len(batches))))
 
     n = len(batches)
-    series = {"realm": gradient_series(lambda b: realm_gradient(model, b), realm_batches),
-              "supervised": gradient_series(lambda b: contrastive_gradient(model.retriever, to(b)),
-                                            supervised_batches(ws, n, batch_size, seed)),
-              "ict": gradient_series(lambda b: contrastive_gradient(model.retriever, to(b)), ict_batches(ws, n, batch_size, seed))}
+    contrastive = lambda b: contrastive_gradient(model.retriever, to(b))  # noqa: E731
+    series = {"realm": gradient_series(lambda b: realm_gradient(model, b), realm_batches, "realm"),
+              "supervised": gradient_series(contrastive, supervised_batches(ws, n, batch_size, seed), "supervised"),
+              "ict": gradient_series(contrastive, ict_batches(ws, n, batch_size, seed), "ict")}
     gradient: dict[str, Any] = {"params": sum(t.numel() for t in query_tower_params(model.retriever))}
     for name, (cos, norms, total) in series.items():
         gradient.update({f"{name}_batches": len(norms), f"{name}_batch_cosine": _mean_sd(cos), f"{name}_grad_norm": _mean_sd(norms)})
