@@ -126,13 +126,18 @@ def test_fixed_documents_own_answer_and_other_blocks(ws):
 
     qs = D.sample_queries(ws.blocks, ws.params.realm, ws.special, 24, seed=0)
     ans = answer_blocks(qs, ws.blocks)
-    rows = D.fixed_documents(qs, ans, [set()] * len(qs), len(ws.blocks), np.random.default_rng(0))
+    titles = list(ws.blocks["title"])
+    article = [[r for r, t in enumerate(titles) if t == titles[q.source_row]] for q in qs]
+    rows = D.fixed_documents(qs, ans, [set()] * len(qs), len(ws.blocks), np.random.default_rng(0), article)
     assert rows.shape == (len(qs), len(D.SLOTS)) and (rows[:, 0] == NULL_ROW).all()
     assert any(ans) and not all(ans)  # the tiny world has both kinds
-    for q, a, (_, own, answer, other) in zip(qs, ans, rows):
+    for q, a, same, (_, own, answer, other, in_article) in zip(qs, ans, article, rows):
         assert own == q.source_row
         assert (answer in a) if a else answer == MISSING_ROW
         assert other not in a and other != q.source_row and other >= 0
+        left = set(same) - a - {q.source_row}  # x's article's other blocks without the span
+        assert (in_article in left) if left else in_article == MISSING_ROW
+    assert (rows[:, 4] >= 0).any()
 
 
 def test_run_diagnostic_shapes_and_ranges(ws):
@@ -143,6 +148,7 @@ def test_run_diagnostic_shapes_and_ranges(ws):
         assert 0.0 <= rd[f"acc_{s}"] <= 1.0 and rd[f"tokens_{s}"] > 0
     assert rd["tokens_null"] == rd["tokens_own_block"] >= rd["tokens_answer_block"]  # every query has x's block
     assert rd["gap_nats"]["n"] == rd["gap_nats_per_token"]["n"] <= rd["queries_with_answer_block"]
+    assert rd["gap_nats_same_article"]["n"] <= rd["queries_with_answer_block"]
     assert rt["entropy"]["n"] == 16 and 0.0 <= rt["entropy"]["mean"] <= rt["log_k"] + 1e-5 <= math.log(out["top_k"]) + 2e-5
     assert 0.0 <= rt["p_null"]["mean"] <= 1.0 and 0.0 <= rt["share_with_answer_candidate"] <= 1.0
     assert rt["utility"]["null"]["n"] == 16

@@ -8,7 +8,8 @@ with the model, index and collator the stage uses (eval mode: no dropout):
 * reader: masked-token accuracy of argmax p(y_j|x,z) with z = x's own block (the span verbatim), an
   answer block (another block holding the span, one about x's subject when there is one) and the
   null document; the gap log p(y|x,z_answer) - log p(y|x,z_other) per query (z_other: a random
-  block without the span; the span's tokens summed).
+  block without the span; the span's tokens summed), and the same with z_other a block of x's own
+  article (title) without the span: same topic, so only reading the answer separates the two.
 * retrieval, over the top k of the arm's final index (slot 0 the null document, as in training):
   the entropy of p(z|x) (in [0, log k]), p(null), the share of queries with an answer-bearing
   candidate, and r(z) by whether z holds the answer (and same article or not, when blocks have titles).
@@ -53,7 +54,7 @@ from components.progress import ProgressClock, format_duration, progress_line
 
 log = logging.getLogger(__name__)
 
-SLOTS = ("null", "own_block", "answer_block", "other_block")  # the reader's fixed documents, in slot order
+SLOTS = ("null", "own_block", "answer_block", "other_block", "article_block")  # the reader's fixed documents, in slot order
 
 
 @dataclass
@@ -136,10 +137,11 @@ def per_query(values: torch.Tensor, mask_batch: torch.Tensor, B: int) -> torch.T
 
 
 def fixed_documents(queries: list[RealmQuery], answers: list[set[int]], about: list[set[int]], n_blocks: int,
-                    rng: np.random.Generator) -> np.ndarray:
-    """Candidate rows (B, 4) in `SLOTS` order: the null document, x's own block, an answer block (one
+                    rng: np.random.Generator, article_rows: list[list[int]] | None = None) -> np.ndarray:
+    """Candidate rows (B, 5) in `SLOTS` order: the null document, x's own block, an answer block (one
     about x's subject when `about` has one; MISSING_ROW when none holds the span), a random block
-    without the span (MISSING_ROW if the draws find none)."""
+    without the span (MISSING_ROW if the draws find none), and a block of `article_rows[b]` (the rows
+    of x's article) other than x's own without the span (MISSING_ROW when there is none)."""
     out = np.full((len(queries), len(SLOTS)), MISSING_ROW, dtype=np.int64)
     out[:, 0] = NULL_ROW
     for b, q in enumerate(queries):
@@ -151,6 +153,9 @@ def fixed_documents(queries: list[RealmQuery], answers: list[set[int]], about: l
             if r != q.source_row and r not in answers[b]:
                 out[b, 3] = r
                 break
+        same = [r for r in (article_rows[b] if article_rows else []) if r != q.source_row and r not in answers[b]]
+        if same:
+            out[b, 4] = same[rng.integers(len(same))]
     return out
 
 
@@ -307,20 +312,24 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
     about = same_entity_gold(queries, answers, ws.blocks, span_tagger_for(p))
     titles = [str(t or "") for t in ws.blocks["title"]] if "title" in ws.blocks.column_names else []
     article = titles if any(titles) else None
+    by_article: dict[str, list[int]] = {}
+    for r, t in enumerate(article or []):
+        by_article.setdefault(t, []).append(r)
     to = lambda b: {k: v.to(dev) for k, v in b.items()}  # noqa: E731
 
     acc = {s: [] for s in SLOTS}
-    gap, gap_tok, cand_gap, ent, p_null, any_answer, log_k = [], [], [], [], [], [], []
+    gap, gap_tok, gap_article, cand_gap, ent, p_null, any_answer, log_k = ([] for _ in range(8))
     r_groups: dict[str, list[float]] = {}
     realm_batches = []  # (the token ids are small; the gradients are taken one batch at a time below)
     batches = [queries[i:i + batch_size] for i in range(0, len(queries) - batch_size + 1, batch_size)]  # full batches only
-    clock = ProgressClock(1)  # a line per batch: a MiniLM batch takes about a minute on one CPU core
+    clock, nll = ProgressClock(0), []  # a line at least once a minute (a MiniLM batch takes about that on one CPU core)
     for bi, qs in enumerate(batches):
         ans, ab = answers[bi * batch_size:(bi + 1) * batch_size], about[bi * batch_size:(bi + 1) * batch_size]
         B = len(qs)
         with torch.no_grad():
             # the reader with fixed documents
-            fixed = collate(qs, fixed_documents(qs, ans, ab, len(ws.blocks), rng), ws.collator.lookup, p, ws.special)
+            same = [by_article[article[q.source_row]] for q in qs] if article is not None else None
+            fixed = collate(qs, fixed_documents(qs, ans, ab, len(ws.blocks), rng, same), ws.collator.lookup, p, ws.special)
             log_py, correct, mb = reader_log_probs(model, to(fixed))
             have = fixed["candidate_mask"].to(dev)[mb]  # (M, 4): the slot has a document
             for k, s in enumerate(SLOTS):
@@ -331,11 +340,14 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
                 if fixed["candidate_mask"][b, 2] and fixed["candidate_mask"][b, 3] and n_tok[b]:
                     gap.append(float(seq[b, 2] - seq[b, 3]))
                     gap_tok.append(gap[-1] / int(n_tok[b]))
+                if fixed["candidate_mask"][b, 2] and fixed["candidate_mask"][b, 4] and n_tok[b]:
+                    gap_article.append(float(seq[b, 2] - seq[b, 4]))
             # the top k of the index, as training sees them
             batch = to(ws.collator.batch(qs, ws.index.search, model.retriever))
             log_pz = model.retrieval_log_probs(batch)  # (B, K)
             log_py, _, mb = reader_log_probs(model, batch)
             r = utility(log_py, log_pz, mb, model.marginalization).cpu()
+            nll.append(float(-torch.logsumexp(log_py + log_pz[mb], 1).mean()))  # -log p(y_j|x): the per_token loss
             seq = per_query(log_py, mb, B).cpu()
             ent += entropy(log_pz).tolist()
             p_null += log_pz[:, 0].exp().tolist()
@@ -356,7 +368,8 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
                     r_groups.setdefault(group, []).append(float(r[b, k]))
         realm_batches.append(batch)
         if clock.due(bi + 1, final=bi + 1 == len(batches)):
-            log.info("%s", progress_line("realm.diagnostic", bi + 1, len(batches), {}, clock.eta(bi + 1, len(batches))))
+            log.info("%s", progress_line("realm.diagnostic", bi + 1, len(batches), {"loss": float(np.mean(nll))},
+                                         clock.eta(bi + 1, len(batches))))
 
     n = len(batches)
     contrastive = lambda b: contrastive_gradient(model.retriever, to(b))  # noqa: E731
@@ -377,7 +390,7 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
             **{f"acc_{s}": _mean_sd(acc[s])["mean"] for s in SLOTS[:3]},
             **{f"tokens_{s}": len(acc[s]) for s in SLOTS[:3]},
             "queries_with_answer_block": sum(bool(a) for a in answers[:len(batches) * batch_size]),
-            "gap_nats": _mean_sd(gap), "gap_nats_per_token": _mean_sd(gap_tok),
+            "gap_nats": _mean_sd(gap), "gap_nats_per_token": _mean_sd(gap_tok), "gap_nats_same_article": _mean_sd(gap_article),
         },
         "retrieval": {
             "entropy": _mean_sd(ent), "log_k": _mean_sd(log_k)["mean"], "p_null": _mean_sd(p_null),
