@@ -20,9 +20,8 @@ with the model, index and collator the stage uses (eval mode: no dropout):
   the same for ICT's loss (the retriever's warm-up), a second reference.
 
     ws = load_workspace(Path("."), arm="refreshed")
-    result = run_diagnostic(ws, n_queries=96, batch_size=8, seed=0)
-    print(format_report(result))
-(`experiments/realm_diagnostic.py` is the script; docs/experiments/realm.md how to read it.)
+    result = run_diagnostic(ws, n_queries=96, batch_size=8, seed=0)     # a JSON-able dict
+(`experiments/realm_diagnostic.py` is the script that prints it; docs/experiments/realm.md how to read it.)
 """
 
 from __future__ import annotations
@@ -400,23 +399,3 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
         },
         "gradient": gradient,
     }
-
-
-def _fmt(v) -> str:
-    if isinstance(v, dict) and "mean" in v:
-        return "n/a" if v["mean"] is None else f"{v['mean']:+.4g} ± {v['sd']:.2g} (n={v['n']})"
-    return "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """The result as indented `name: value` lines, one section per part."""
-    lines = [f"REALM diagnostic: {result['workspace']} ({result['n_queries']} queries, batch {result['batch_size']}, "
-             f"seed {result['seed']}, top_k {result['top_k']}, {result['marginalization']})"]
-    for part in ("reader", "retrieval", "gradient"):
-        lines.append(f"{part}:")
-        for k, v in result[part].items():
-            if isinstance(v, dict) and "mean" not in v:
-                lines += [f"  {k}:"] + [f"    {kk}: {_fmt(vv)}" for kk, vv in v.items()]
-            else:
-                lines.append(f"  {k}: {_fmt(v)}")
-    return "\n".join(lines)
