@@ -327,13 +327,13 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
         B = len(qs)
         with torch.no_grad():
             # the reader with fixed documents
-            same = [by_article[article[q.source_row]] for q in qs] if article is not None else None
-            fixed = collate(qs, fixed_documents(qs, ans, ab, len(ws.blocks), rng, same), ws.collator.lookup, p, ws.special)
+            mates = [by_article[article[q.source_row]] for q in qs] if article is not None else None
+            fixed = collate(qs, fixed_documents(qs, ans, ab, len(ws.blocks), rng, mates), ws.collator.lookup, p, ws.special)
             log_py, correct, mb = reader_log_probs(model, to(fixed))
-            have = fixed["candidate_mask"].to(dev)[mb]  # (M, 4): the slot has a document
+            have = fixed["candidate_mask"].to(dev)[mb]  # (M, 5): the slot has a document
             for k, s in enumerate(SLOTS):
                 acc[s] += correct[have[:, k], k].float().tolist()
-            seq = per_query(log_py, mb, B).cpu()  # (B, 4) log p(y|x,z) of the span
+            seq = per_query(log_py, mb, B).cpu()  # (B, 5) log p(y|x,z) of the span
             n_tok = torch.bincount(mb, minlength=B).cpu()
             for b in range(B):
                 if fixed["candidate_mask"][b, 2] and fixed["candidate_mask"][b, 3] and n_tok[b]:
@@ -346,7 +346,7 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
             log_pz = model.retrieval_log_probs(batch)  # (B, K)
             log_py, _, mb = reader_log_probs(model, batch)
             r = utility(log_py, log_pz, mb, model.marginalization).cpu()
-            nll.append(float(-torch.logsumexp(log_py + log_pz[mb], 1).mean()))  # -log p(y_j|x): the per_token loss
+            nll.append(float(-torch.logsumexp(log_py + log_pz[mb], 1).mean()))  # mean -log p(y_j|x) (the per_token loss)
             seq = per_query(log_py, mb, B).cpu()
             ent += entropy(log_pz).tolist()
             p_null += log_pz[:, 0].exp().tolist()
@@ -362,8 +362,7 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
                 for k in hold + lack:
                     group = "answer" if k in hold else "no_answer"
                     if article is not None:
-                        same = article[int(rows[b, k])] == article[q.source_row]
-                        group += "_same_article" if same else "_other_article"
+                        group += "_same_article" if article[int(rows[b, k])] == article[q.source_row] else "_other_article"
                     r_groups.setdefault(group, []).append(float(r[b, k]))
         realm_batches.append(batch)
         if clock.due(bi + 1, final=bi + 1 == len(batches)):
