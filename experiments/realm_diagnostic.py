@@ -1,0 +1,75 @@
+"""REALM's diagnostic for a workspace that ran `pretrain_realm`: does the reader read, and does the
+retriever's gradient carry signal? What each number means: components/eval/realm_diagnostics.py and
+docs/experiments/realm.md ("The diagnostic").
+
+    .venv/bin/python -m experiments.realm_diagnostic                          # this checkout, 96 queries, CPU
+    .venv/bin/python -m experiments.realm_diagnostic --workspace /path/to/ws --arm stale --seed 1 --device cuda
+    .venv/bin/python -m experiments.realm_diagnostic --out diag.json --queries 192 --batch-size 16
+
+Prints a report and writes the JSON atomically (default: <workspace>/metrics/realm_diagnostic[_<arm>].json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # shared 2-core machines; raise it where cores are free
+
+
+def _fmt(v) -> str:
+    if isinstance(v, dict) and "mean" in v:
+        return "n/a" if v["mean"] is None else f"{v['mean']:+.4g} ± {v['sd']:.2g} (n={v['n']})"
+    return "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The result as indented `name: value` lines, one section per part."""
+    lines = [f"REALM diagnostic: {result['workspace']} ({result['n_queries']} queries, batch {result['batch_size']}, "
+             f"seed {result['seed']}, top_k {result['top_k']}, {result['marginalization']})"]
+    for part in ("reader", "retrieval", "gradient"):
+        lines.append(f"{part}:")
+        for k, v in result[part].items():
+            if isinstance(v, dict) and "mean" not in v:
+                lines += [f"  {k}:"] + [f"    {kk}: {_fmt(vv)}" for kk, vv in v.items()]
+            else:
+                lines.append(f"  {k}: {_fmt(v)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workspace", type=Path, default=Path("."), help="folder with params.yaml, data/tokens, models/realm")
+    ap.add_argument("--arm", default="refreshed", choices=["refreshed", "stale"], help="pretrain_realm arm: refreshed (models/realm) or stale (models/realm-stale)")
+    ap.add_argument("--queries", type=int, default=96, help="masked queries measured (whole batches)")
+    ap.add_argument("--batch-size", type=int, default=8, help="queries per retriever-gradient batch (REALM's B)")
+    ap.add_argument("--seed", type=int, default=0, help="which queries, documents and question batches")
+    ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    ap.add_argument("--params", type=Path, default=None, help="params file (default: <workspace>/params.yaml)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default: <workspace>/metrics/realm_diagnostic[_<arm>].json)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("components.eval.realm_diagnostics").setLevel(logging.INFO)  # its progress lines
+
+    from components.eval.realm_diagnostics import load_workspace, run_diagnostic
+    from components.io import write_json_atomic
+
+    ws = load_workspace(args.workspace, arm=args.arm, device=args.device, params_file=args.params)
+    result = {"arm": args.arm, **run_diagnostic(ws, n_queries=args.queries, batch_size=args.batch_size, seed=args.seed)}
+    out = args.out or args.workspace / "metrics" / f"realm_diagnostic{'' if args.arm == 'refreshed' else '_' + args.arm}.json"
+    write_json_atomic(out, result)
+    print(format_report(result))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:
+        print(f"realm_diagnostic: {e}", file=sys.stderr)
+        sys.exit(2)
