@@ -10,7 +10,10 @@ in a fresh clone, through scripts/py so the allocator is the stages' own) with t
 records at every logged step the RSS and the memory Python's allocator holds (tracemalloc's traced
 total: every Python object, not torch's tensor storage). Their slopes over the run after its first
 quarter say which part of the residual is Python objects; a tracemalloc snapshot diff between the
-quarter and the end names the lines that hold them.
+quarter and the end names the lines that hold them. The quarter's snapshot itself takes ~300 MB of RSS
+for the rest of the run (a step in the curve, not growth), so both slopes are fitted after it.
+
+    python -m bench.bench_memory_residual --stage pretrain_retromae --steps 2000 --refit   # refit a finished workspace
 
 Writes bench/results/memory_residual_<stage>.json and prints the slopes and the top growing lines.
 """
@@ -42,6 +45,26 @@ UPTO = {"pretrain_retromae": "tokenize", "pretrain_mlm": "tokenize", "pretrain_r
         "finetune_retriever@retromae-all": "pretrain_retromae", "finetune_reader@realm": "pretrain_realm@refreshed"}
 ITEM_FLAG = {"pretrain_realm": "--arm", "finetune_retriever": "--item", "finetune_reader": "--item"}
 FRAMES = 4
+
+
+def after_snapshot(steps: int) -> int:
+    """The last step whose RSS the first snapshot can still move: fits start after it."""
+    return steps // 4 + 5
+
+
+def refit(ws: Path, stage: str, steps: int) -> dict:
+    """Each loop's RSS slope after the first snapshot, from a finished workspace's MLflow `rss_mb`
+    curves (runs made before the child kept its curves)."""
+    from bench.bench_memory import curves
+
+    out = {}
+    for key, pts in curves(ws)[0].items():
+        if key.startswith(stage) and len(pts) >= 40:
+            after = [p for p in pts if p[0] > after_snapshot(steps)]
+            out[key] = {"steps": pts[-1][0], "fit_from_step": after_snapshot(steps) + 1,
+                        "rss_slope_mb_per_1000": slope_per_1000(after, skip=0),
+                        "rss_mb_at": {str(s): v for s, v in pts if s in (after_snapshot(steps) + 1, steps // 2, steps)}}
+    return out
 
 
 def child(stage: str, steps: int, out: Path) -> None:
@@ -78,11 +101,12 @@ def child(stage: str, steps: int, out: Path) -> None:
             top = [{"kib": round(d.size_diff / 1024, 1), "count": d.count_diff,
                     "where": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in d.traceback]}
                    for d in diff[:12]]
-        loops[prefix] = {"steps": pts[-1][0],
-                         "rss_slope_mb_per_1000": slope_per_1000([(s, r) for s, r, _ in pts]),
-                         "python_slope_mb_per_1000": slope_per_1000([(s, t) for s, _, t in pts]),
+        after = [p for p in pts if p[0] > after_snapshot(steps)]
+        loops[prefix] = {"steps": pts[-1][0], "fit_from_step": after_snapshot(steps) + 1,
+                         "rss_slope_mb_per_1000": slope_per_1000([(s, r) for s, r, _ in after], skip=0),
+                         "python_slope_mb_per_1000": slope_per_1000([(s, t) for s, _, t in after], skip=0),
                          "rss_mb": [pts[0][1], pts[-1][1]], "python_mb": [pts[0][2], pts[-1][2]],
-                         "top_growth": top}
+                         "top_growth": top, "curve": pts}
     write_json_atomic(out, {"stage": stage, "steps": steps, "allocator": memory.allocator(), "loops": loops})
 
 
@@ -91,10 +115,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stage", choices=list(STEP_KEYS), default="pretrain_retromae")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_memory_residual"))
+    ap.add_argument("--refit", action="store_true", help="refit the finished workspace under --workdir; run nothing")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         return child(a.stage, a.steps, a.child)
+    if a.refit:
+        fits = refit(a.workdir / a.stage.replace("@", "-"), a.stage, a.steps)
+        out = RESULTS / f"memory_residual_{a.stage.replace('@', '-')}.json"
+        res = json.loads(out.read_text()) if out.exists() else {"stage": a.stage, "steps": a.steps}
+        write_json_atomic(out, {**res, "refit": fits})
+        print(json.dumps(fits, indent=1))
+        return None
     ws = fresh_clone(a.workdir / a.stage.replace("@", "-"))
     sets = [f"{k}={a.steps}" for k in STEP_KEYS[a.stage]] + ["tracking.log_every=1", "finetune.train_sizes=[all]"]
     subprocess.run([".venv/bin/python", "-m", "flows.pipeline", "--upto", UPTO[a.stage],
