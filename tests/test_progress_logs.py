@@ -21,12 +21,12 @@ P = tiny_params()
 LINE = re.compile(r"^test\.train step (\d+)/(\d+) \(\d+%\) loss \d+\.\d{4} tokens/s \d+ eta \d+(s|m\d\ds)$")
 
 
-def _trainer(tmp_path, max_steps: int, progress_every: int | None) -> Trainer:
+def _trainer(tmp_path, max_steps: int, progress_every: int | None, label: str | None = None) -> Trainer:
     torch.manual_seed(0)
     train = P.retromae.train.model_copy(update=dict(batch_size=8, lr=3e-3, max_steps=max_steps, grad_accum=1,
                                                     warmup_ratio=0.2, checkpoint_every=100, num_workers=0))
     return Trainer(TinyLM(dropout=0.0), make_rows(), fixed_mask_collate, train, P.compute, tmp_path, param_prefix="test.train",
-                   progress=False, progress_every=progress_every)
+                   progress=False, progress_every=progress_every, label=label)
 
 
 def test_format_duration_and_line():
@@ -64,6 +64,17 @@ def test_every_n_steps_plus_first_and_last_without_a_tty(tmp_path, caplog):
     assert [int(LINE.match(m).group(1)) for m in lines] == [1, 3, 6, 7], lines
     info = [r.rr_progress for r in caplog.records if hasattr(r, "rr_progress")]
     assert info[-1]["step"] == info[-1]["max_steps"] == 7 and info[-1]["eta_s"] == 0
+
+
+def test_a_loop_that_borrows_params_names_itself_and_errors_name_the_params(tmp_path, caplog):
+    """The MLM baseline trains with retromae.train: its progress lines say which loop runs, while
+    the params it reads keep their own path (bad-step and OOM messages, the checkpoint's record)."""
+    caplog.set_level(logging.INFO, logger="components.training.trainer")
+    t = _trainer(tmp_path, max_steps=2, progress_every=1, label="mlm (test.train)")
+    t.fit()
+    lines = [r.getMessage() for r in caplog.records if hasattr(r, "rr_progress")]
+    assert lines and all(m.startswith("mlm (test.train) step ") for m in lines), lines
+    assert t.prefix == "test.train"
 
 
 def test_slow_steps_log_by_time_whatever_the_step_cadence(tmp_path, caplog, monkeypatch):

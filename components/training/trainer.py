@@ -355,6 +355,7 @@ class Trainer:
         lr_groups: Sequence[LrGroup] = (),
         schedule: str = "linear",
         progress_every: int | None = None,
+        label: str | None = None,
     ):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1 (got {log_every})")
@@ -364,6 +365,9 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.log_fn, self.log_every, self.prefix = log_fn, log_every, param_prefix
+        # what progress lines call this loop: the params path by default; a loop that borrows another's
+        # params (the MLM baseline trains with retromae.train) names itself, errors still name the params
+        self.label = label or param_prefix
         self.hooks = Hooks.coerce(hooks)
         self.progress = progress
         # tracking.progress_every; None: about ten lines a run. 0: no progress lines.
@@ -429,7 +433,7 @@ class Trainer:
 
         batches = self._batches()
         pbar = tqdm(
-            total=self.train.max_steps, initial=self.step, desc=self.prefix, file=sys.stderr, dynamic_ncols=True,
+            total=self.train.max_steps, initial=self.step, desc=self.label, file=sys.stderr, dynamic_ncols=True,
             disable=not (self.progress and self.is_rank0 and sys.stderr.isatty()),
         )  # fmt: skip
         self._reset_window()
@@ -468,9 +472,9 @@ class Trainer:
         done = self.step - first_step
         per_step = (time.perf_counter() - t_loop) / max(1, done)
         eta = per_step * (self.train.max_steps - self.step)
-        info = {"prefix": self.prefix, "step": self.step, "max_steps": self.train.max_steps, "eta_s": eta,
+        info = {"prefix": self.label, "step": self.step, "max_steps": self.train.max_steps, "eta_s": eta,
                 "loss": self.last_metrics.get("loss"), "tokens_per_s": self.last_metrics.get("tokens_per_s")}
-        log.info("%s", progress_line(self.prefix, self.step, self.train.max_steps, self.last_metrics, eta),
+        log.info("%s", progress_line(self.label, self.step, self.train.max_steps, self.last_metrics, eta),
                  extra={"rr_progress": info})
         self._last_progress_t = time.perf_counter()
 
