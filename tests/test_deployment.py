@@ -515,12 +515,12 @@ def test_override_through_deployment_reruns_only_dependent_stages(deployed, firs
     """`retromae.train.max_steps` is declared by pretrain_retromae (and pretrain_mlm); pretrain_realm
     reads models/retromae. prepare_corpus and tokenize must be skipped by DVC (no new MLflow run)."""
     key, upto = "retromae.train.max_steps", "pretrain_realm"
-    order, closure = _stage_order()
     from flows.pipeline import plan
 
     with contextlib.chdir(ROOT):
-        dependents = set(plan(target="pretrain_retromae")) & set(closure[upto])
-    upstream = set(closure[upto]) - dependents - ALWAYS
+        needed = plan(upto=upto)  # a group: both REALM arms and what they need
+        dependents = set(plan(target="pretrain_retromae")) & set(needed)
+    upstream = set(needed) - dependents - ALWAYS
     assert dependents == {"pretrain_retromae", "pretrain_realm@refreshed", "pretrain_realm@stale"} and upstream == {"prepare_corpus", "tokenize"}
 
     old_value = yaml.safe_load((deployed.ws / "params.yaml").read_text())["retromae"]["train"]["max_steps"]
@@ -548,7 +548,7 @@ def test_override_through_deployment_reruns_only_dependent_stages(deployed, firs
     for s in dependents:
         assert lock_after[s] != lock_before[s], s
     # What `dvc repro --single-item` reported per stage (the flow's result, tagged on the parent run).
-    assert json.loads(parent.data.tags["rr.stages"]) == {s: "skipped" if s in upstream else "ran" for s in closure[upto]}  # ALWAYS: ran
+    assert json.loads(parent.data.tags["rr.stages"]) == {s: "skipped" if s in upstream else "ran" for s in needed}  # ALWAYS: ran
     print(f"\n[deployment] override {key}: new stage runs {new}; timings={TIMINGS}")
 
 
