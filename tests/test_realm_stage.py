@@ -503,7 +503,7 @@ def test_flow_runs_each_refresh_as_a_prefect_subflow(ws, shared_prefect_api, mon
 
     c = mlflow_client()
     exp = c.get_experiment_by_name("retro-realm")
-    runs = c.search_runs([exp.experiment_id], filter_string="attributes.run_name = 'pretrain_realm'",
+    runs = c.search_runs([exp.experiment_id], filter_string="attributes.run_name = 'pretrain_realm@refreshed'",
                          order_by=["attributes.start_time DESC"], max_results=1)
     assert runs and runs[0].info.status == "FINISHED"
     run_id, parent_flow = runs[0].info.run_id, runs[0].data.tags["prefect.flow_run_id"]
