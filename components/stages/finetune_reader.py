@@ -28,7 +28,7 @@ from components.data.tokenize import load_tokenizer
 from components.paths import CORPUS, TOKENS, reader_out
 from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, skip_stage
 from components.training.finetune import READER_SECTIONS, new_reader, qa_inputs_exist, train_gold_reader, train_reader
-from components.training.trainer import prefixed
+from components.training.trainer import prefixed, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def finetune_reader(params: Params, run=None, item: str | None = None) -> dict:
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
     blocks = datasets.load_from_disk(str(TOKENS / "blocks"))
     log_fn = RankZeroLogger(run)
+    seed_everything(params.compute.seed)  # the fresh span head: the same weights in every run of this stage
     reader = new_reader(ft, system=system)
     reader, summary = train_gold_reader(params, tokenizer, blocks, qa, reader,
                                         checkpoint_dir(f"finetune_qa_gold_{system}", params, READER_SECTIONS), log_fn)
