@@ -42,6 +42,14 @@ def retriever_out(start: str, size: int | str) -> Path:
     return FINETUNE_RETRIEVERS / f"{start}-{size}"
 
 
+def retriever_item(item: str) -> tuple[str, int | str]:
+    """A finetune_retriever stage's item, split: `retromae-32` -> ("retromae", 32); `init-all` -> ("init", "all")."""
+    start, sep, size = item.rpartition("-")
+    if not sep or not start or not (size == "all" or size.isdigit()):
+        raise ValueError(f"finetune_retriever: item {item!r} is not <start>-<size> (e.g. retromae-32, init-all)")
+    return start, (size if size == "all" else int(size))
+
+
 def reader_out(system: str) -> Path:
     """finetune_reader@<system>'s retriever + reader."""
     return FINETUNE_OPEN_QA / system
@@ -54,8 +62,7 @@ def stage_outs(stage: str) -> list[Path]:
     if group == "pretrain_realm":
         return [REALM_ARM_OUT[item]]
     if group == "finetune_retriever":
-        start, _, size = item.partition("-")
-        return [retriever_out(start, size)]
+        return [retriever_out(*retriever_item(item))]
     if group == "finetune_reader":
         return [reader_out(item)]
     return {"prepare_corpus": [CORPUS], "tokenize": [TOKENS], "pretrain_retromae": [RETROMAE_OUT, INIT_OUT],

@@ -11,9 +11,9 @@ import os
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from components.paths import CORPUS, retriever_out, stage_metrics
+from components.paths import CORPUS, retriever_item, retriever_out, stage_metrics
 from components.stages.common import ENV_STAGE_ITEM
-from components.stages.finetune_retriever import GROUP, finetune_retriever, parse_item
+from components.stages.finetune_retriever import GROUP, finetune_retriever
 from flows import run_main
 from flows._stage import Artifact, Dataset, Model, register, run_stage
 from flows._torchrun import run_training
@@ -27,7 +27,7 @@ def train(params, run) -> dict:
 @flow(name=GROUP, log_prints=True)
 def finetune_retriever_flow(item: str) -> dict:
     os.environ[ENV_STAGE_ITEM] = item  # the body (and torchrun's ranks) read it
-    start, size = parse_item(item)
+    start, size = retriever_item(item)
     stage, out = f"{GROUP}@{item}", retriever_out(start, size)
 
     def models(params) -> list[Model]:

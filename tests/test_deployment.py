@@ -98,7 +98,7 @@ def _in_workspace(stage: str) -> bool:
     """Whether the deployed workspace has `stage`: it fine-tunes TINY's training sizes only, while
     this checkout's params.yaml (which `_stage_order` expands the matrix with) may list more."""
     group, _, item = stage.partition("@")
-    return group != "finetune_retriever" or item.rsplit("-", 1)[1] in {str(n) for n in TINY["finetune.train_sizes"]}
+    return group != "finetune_retriever" or str(paths.retriever_item(item)[1]) in {str(n) for n in TINY["finetune.train_sizes"]}
 
 
 UPTO = default_upto()

@@ -18,7 +18,7 @@ import os
 from components.config import Params
 from components.data.finetune_data import load_corpus, load_pairs
 from components.data.tokenize import load_tokenizer
-from components.paths import CORPUS, TOKENS, retriever_out
+from components.paths import CORPUS, TOKENS, retriever_item, retriever_out
 from components.retrieval.negatives import mine_bm25_negatives
 from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, skip_stage
 from components.training.finetune import START_SECTIONS, retrieval_start_folder, size_subset, train_biencoder
@@ -29,17 +29,9 @@ log = logging.getLogger(__name__)
 GROUP = "finetune_retriever"
 
 
-def parse_item(item: str) -> tuple[str, int | str]:
-    """`retromae-32` -> ("retromae", 32); `init-all` -> ("init", "all")."""
-    start, sep, size = item.rpartition("-")
-    if not sep or not start:
-        raise ValueError(f"{GROUP}: item {item!r} is not <start>-<size> (e.g. retromae-32, init-all)")
-    return start, (size if size == "all" else int(size))
-
-
 def finetune_retriever(params: Params, run=None, item: str | None = None) -> dict:
     item = item or os.environ[ENV_STAGE_ITEM]
-    start, size = parse_item(item)
+    start, size = retriever_item(item)
     stage, out = f"{GROUP}@{item}", retriever_out(start, size)
     ft = params.finetune
     folder = retrieval_start_folder(params, start)
