@@ -52,6 +52,11 @@ def after_snapshot(steps: int) -> int:
     return steps // 4 + 5
 
 
+def slope_after_snapshot(points: list[tuple[int, float]], steps: int) -> float | None:
+    """MB per 1,000 steps over the (step, MB) points after `after_snapshot(steps)`."""
+    return slope_per_1000([p for p in points if p[0] > after_snapshot(steps)], skip=0)
+
+
 def refit(ws: Path, stage: str, steps: int) -> dict:
     """Each loop's RSS slope after the first snapshot, from a finished workspace's MLflow `rss_mb`
     curves (runs made before the child kept its curves)."""
@@ -60,9 +65,8 @@ def refit(ws: Path, stage: str, steps: int) -> dict:
     out = {}
     for key, pts in curves(ws)[0].items():
         if key.startswith(stage) and len(pts) >= 40:
-            after = [p for p in pts if p[0] > after_snapshot(steps)]
             out[key] = {"steps": pts[-1][0], "fit_from_step": after_snapshot(steps) + 1,
-                        "rss_slope_mb_per_1000": slope_per_1000(after, skip=0),
+                        "rss_slope_mb_per_1000": slope_after_snapshot(pts, steps),
                         "rss_mb_at": {str(s): v for s, v in pts if s in (after_snapshot(steps) + 1, steps // 2, steps)}}
     return out
 
@@ -101,10 +105,9 @@ def child(stage: str, steps: int, out: Path) -> None:
             top = [{"kib": round(d.size_diff / 1024, 1), "count": d.count_diff,
                     "where": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in d.traceback]}
                    for d in diff[:12]]
-        after = [p for p in pts if p[0] > after_snapshot(steps)]
         loops[prefix] = {"steps": pts[-1][0], "fit_from_step": after_snapshot(steps) + 1,
-                         "rss_slope_mb_per_1000": slope_per_1000([(s, r) for s, r, _ in after], skip=0),
-                         "python_slope_mb_per_1000": slope_per_1000([(s, t) for s, _, t in after], skip=0),
+                         "rss_slope_mb_per_1000": slope_after_snapshot([(s, r) for s, r, _ in pts], steps),
+                         "python_slope_mb_per_1000": slope_after_snapshot([(s, t) for s, _, t in pts], steps),
                          "rss_mb": [pts[0][1], pts[-1][1]], "python_mb": [pts[0][2], pts[-1][2]],
                          "top_growth": top, "curve": pts}
     write_json_atomic(out, {"stage": stage, "steps": steps, "allocator": memory.allocator(), "loops": loops})

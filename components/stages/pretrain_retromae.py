@@ -131,7 +131,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
                 "head_warmup_seconds": round(res.elapsed_s, 2), **{f"head_warmup_final_{k}": v for k, v in res.metrics.items()}}
     trainer = Trainer(model, data, collate, sec.train, params.compute, ckpt_root,
                       log_fn=log_fn, log_every=params.tracking.log_every, param_prefix="retromae.train",
-                      label="retromae.train" if stage == "pretrain_retromae" else "mlm (retromae.train)",
+                      label="mlm (retromae.train)" if stage == "pretrain_mlm" else None,
                       lr_groups=head_lr_groups(model, params), progress_every=params.tracking.progress_every)
     result = trainer.fit()
     summary = {"step": result.step, "bad_steps": result.bad_steps, "resumed_from": result.resumed_from or 0,
