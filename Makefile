@@ -14,7 +14,7 @@ help:  ## list targets
 setup:  ## create .venv from requirements/lock.txt (idempotent)
 	@bash scripts/setup.sh
 
-run: setup  ## the main job: the whole pipeline (dvc repro) on the embedded default (tiny preset; PRESET=paper|small)
+run: setup  ## the main job: the whole pipeline (dvc repro) on the default (real text: the shipped SQuAD slice; PRESET=tiny|small|paper)
 	$(PY) -m flows.pipeline $(if $(PRESET),--preset $(PRESET))
 
 test: setup  ## the full test suite (slow tests included; < 15 min on 2 cores)

@@ -34,7 +34,6 @@ def child(steps: int, trim_every: int) -> dict:
     import tempfile
 
     import numpy as np
-    import yaml
 
     from components.config import load_params
     from components.data.masking import RetroMAECollator
@@ -44,12 +43,9 @@ def child(steps: int, trim_every: int) -> dict:
     from components.training import memory
     from components.training.trainer import Trainer
 
-    small = yaml.safe_load((ROOT / "params/small.yaml").read_text())
-    p = load_params(ROOT / "params.yaml", overrides={
-        "warm_start.path": small["warm_start"]["path"], "compute.precision": small["compute"]["precision"],
-        "compute.malloc_trim_every": trim_every, "retromae.max_len": small["retromae"]["max_len"],
-        "retromae.encoder.dropout": 0.1, "retromae.train.batch_size": 8, "retromae.train.max_steps": steps,
-        "retromae.train.checkpoint_every": 10**6, "retromae.train.lr": 2e-5})
+    p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/small.yaml"], overrides={
+        "compute.malloc_trim_every": trim_every, "retromae.train.max_steps": steps,
+        "retromae.train.checkpoint_every": 10**6})
     ids = SpecialTokens(pad=0, cls=101, sep=102, mask=103, vocab_size=30522, special=(0, 100, 101, 102, 103))
     rng = np.random.default_rng(0)
     rows = []

@@ -65,13 +65,13 @@ def stats(xs: list[float]) -> dict:
 
 
 def world(tokens: Path | None, tmp: Path) -> Path:
-    """data/tokens to read: the given one, or a tiny synthetic world built with params.yaml."""
+    """data/tokens to read: the given one, or a tiny synthetic world built with params/tiny.yaml."""
     if tokens is not None and (tokens / "blocks").is_dir():
         return tokens
     from components.data.prepare import prepare_corpus
     from components.data.tokenize import tokenize_corpus
 
-    p = load_params(ROOT / "params.yaml")
+    p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/tiny.yaml"])
     prepare_corpus(p.data, tmp / "corpus")
     tokenize_corpus(p.tokenize, tmp / "corpus", tmp / "tokens")
     return tmp / "tokens"
@@ -261,7 +261,7 @@ def main() -> None:
 
     from components.data.tokenize import load_tokenizer
 
-    params = load_params(ROOT / "params.yaml", overrides={"compute.device": args.device})
+    params = load_params(ROOT / "params.yaml", presets=[ROOT / "params/tiny.yaml"], overrides={"compute.device": args.device})
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         tokens = world(args.tokens, tmp)

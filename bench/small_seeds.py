@@ -1,7 +1,8 @@
-"""The `small` preset's claims over seeds: the whole pipeline once per seed, then every paper
-comparison per seed and pooled over (seed, query) pairs.
+"""A real-text preset's claims over seeds (`small`, or `--preset default`: params.yaml as committed):
+the whole pipeline once per seed, then every paper comparison per seed and pooled over (seed, query) pairs.
 
     python -m bench.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min to ~2 h each)
+    python -m bench.small_seeds --preset default --seeds 0 1 --split dev   # the default (minutes per seed)
     python -m bench.small_seeds --collect bench/results/small_seeds/seed0.json.gz /tmp/small_seeds/seed1   # tables only
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
@@ -10,14 +11,14 @@ compute.seed=<N> --set evaluate.split=<split>` (the preset and the overrides wri
 clone's params.yaml, so its dvc.lock records them).
 The corpus split (`data.split.seed`) stays fixed, so every seed answers the same questions.
 
-Each finished seed is archived as bench/results/small_seeds/seed<N>.json.gz: its rows, its per-query
+Each finished seed is archived as bench/results/<preset>_seeds/seed<N>.json.gz: its rows, its per-query
 scores (what every p-value is computed from), the stage wall times (from each stage's MLflow run),
 the commit and the CPU. `--collect` takes archives or workspaces, so seeds run in different sessions
 or on different machines pool into one table; a seed without per-query scores (an archive written
 by hand from a run whose workspace was lost: `"per_query": null`, its own `comparisons`) gives its
 per-seed tests, and the pooled test is left out.
 
-Writes bench/results/small_seeds.json and prints Markdown for docs/results.md: per-seed rows,
+Writes bench/results/<preset>_seeds.json and prints Markdown for docs/results.md: per-seed rows,
 stage wall times, the label-efficiency curve's per-size tests (ft:retromae@N vs ft:mlm@N and
 ft:init@N, for every size the seeds ran), and each comparison with its delta and two-sided p per seed and pooled (the
 paired randomisation test over every (seed, query) pair).
@@ -43,8 +44,8 @@ from components.eval.significance import paired_test, per_query_metric  # noqa: 
 from bench.workspace import fresh_clone  # noqa: E402
 from components.progress import format_duration  # noqa: E402
 
-RESULTS = ROOT / "bench/results/small_seeds.json"
-ARCHIVE = ROOT / "bench/results/small_seeds"
+RESULTS = ROOT / "bench/results/{preset}_seeds.json"
+ARCHIVE = ROOT / "bench/results/{preset}_seeds"
 # dvc.yaml's stages; a foreach / matrix group's time is the sum over its `<group>@<item>` stages
 STAGES = ("prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune_retriever",
           "finetune_reader", "evaluate")
@@ -54,15 +55,16 @@ ROW_ORDER = ("bm25", "warm-start:mean", "init", "retromae", "mlm", "realm", "rea
              "ft:realm", "qa:closed-book", "qa:bm25", "qa:realm", "qa:realm-stale")
 
 
-def run_seed(seed: int, split: str, workdir: Path) -> Path:
-    """Clone HEAD into workdir/seed<N> and run the small preset there; returns the clone."""
+def run_seed(seed: int, split: str, workdir: Path, preset: str = "small") -> Path:
+    """Clone HEAD into workdir/seed<N> and run the preset there (`default`: params.yaml as it is);
+    returns the clone."""
     dest = workdir / f"seed{seed}"
     if (dest / "metrics/eval.json").exists():
         print(f"seed {seed}: {dest} already has metrics/eval.json; collecting it", flush=True)
         return dest
     fresh_clone(dest)
-    cmd = [".venv/bin/python", "-m", "flows.pipeline", "--preset", "small", "--set", f"compute.seed={seed}",
-           "--set", f"evaluate.split={split}"]
+    cmd = [".venv/bin/python", "-m", "flows.pipeline", *([] if preset == "default" else ["--preset", preset]),
+           "--set", f"compute.seed={seed}", "--set", f"evaluate.split={split}"]
     t0 = time.time()
     with open(dest / "pipeline.log", "w") as log:
         subprocess.run(cmd, cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -103,8 +105,8 @@ def cpu_name() -> str:
     return f"{name.group(1).strip() if name else 'unknown'} ({', '.join(have) or 'no avx'})"
 
 
-def archive(ws: Path, seed: int) -> Path:
-    """A finished workspace -> bench/results/small_seeds/seed<N>.json.gz (written atomically): its
+def archive(ws: Path, seed: int, preset: str = "small") -> Path:
+    """A finished workspace -> bench/results/<preset>_seeds/seed<N>.json.gz (written atomically): its
     record as `load_seed` reads it, with the seed, commit and CPU, and only the table's metrics."""
     rec = load_seed(ws)
     rec.pop("workspace")
@@ -112,8 +114,9 @@ def archive(ws: Path, seed: int) -> Path:
                         for system, pq in rec["per_query"].items()}
     commit = subprocess.run(["git", "-C", str(ws), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rec.update(seed=seed, commit=commit, cpu=cpu_name())
-    ARCHIVE.mkdir(parents=True, exist_ok=True)
-    dest = ARCHIVE / f"seed{seed}.json.gz"
+    folder = Path(str(ARCHIVE).format(preset=preset))
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = folder / f"seed{seed}.json.gz"
     tmp = dest.with_suffix(".tmp")
     with gzip.open(tmp, "wt", encoding="utf-8") as f:
         json.dump(rec, f)
@@ -244,12 +247,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--split", choices=["test", "dev"], default="test")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/small_seeds"))
+    ap.add_argument("--preset", default="small", help="small, or default (params.yaml as committed)")
+    ap.add_argument("--workdir", type=Path, help="where the clones go (default: /tmp/<preset>_seeds)")
     ap.add_argument("--collect", type=Path, nargs="*", help="archives (seed<N>.json.gz) or finished workspaces: only build the tables")
     args = ap.parse_args()
-    sources = args.collect or [archive(run_seed(s, args.split, args.workdir), s) for s in args.seeds]
+    workdir = args.workdir or Path(f"/tmp/{args.preset}_seeds")
+    sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset), s, args.preset) for s in args.seeds]
     res = collect(sources)
-    RESULTS.write_text(json.dumps(res, indent=1))
+    Path(str(RESULTS).format(preset=args.preset)).write_text(json.dumps(res, indent=1))
     print(markdown(res))
 
 

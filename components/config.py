@@ -9,9 +9,9 @@ needs every key spelled out there, and unknown keys, wrong types and out-of-rang
 `ParamsError`, whose message names the dotted key, what was given and what is allowed.
 
 A section built in code (`RealmParams(top_k=4)`, in tests and tools) takes the keys it is not given
-from the repo's `params.yaml` (the tiny preset), so the tiny values are written in one place.
+from the repo's `params.yaml` (the default), so every value is written in one place.
 
-Presets (`params/paper.yaml`, `params/small.yaml`) are partial files. The pipeline writes one into
+Presets (`params/tiny.yaml`, `params/small.yaml`, `params/paper.yaml`) are partial files. The pipeline writes one into
 `params.yaml` as `dvc exp run -S` overrides (`python -m flows.pipeline --preset paper`), so DVC sees
 every value a stage ran with; `load_params(presets=[...])` merges one in memory for tests and tools.
 """

@@ -15,14 +15,18 @@ import pytest  # noqa: E402
 
 from components import paths  # noqa: E402
 from components.config import Params, load_params  # noqa: E402
+from flows.pipeline import preset_overrides  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # The real servers (S3, MLflow, Prefect), started on free loopback ports by session fixtures.
 pytest_plugins = ["tests.servers"]
 
-# Overrides that make the real params.yaml run in seconds.
+# params.yaml is the real-text default; the tests run the tiny preset (params/tiny.yaml: the synthetic
+# world, encoders from config), shrunk further by these overrides so that every stage runs in seconds.
+TINY_PRESET = ROOT / "params" / "tiny.yaml"
 TINY = {
+    **preset_overrides(str(TINY_PRESET)),
     "data.synthetic.num_entities": 24,
     "data.synthetic.distractor_docs": 8,
     "data.synthetic.questions_per_entity": 2,

