@@ -138,7 +138,8 @@ def test_bf16_autocast_stays_close_to_the_unsorted_reference():
     rows = _rows()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast, _ = encode_token_rows(enc, rows, tok, 52, 4, "embed blocks")
-        want = torch.cat([enc(*add_specials(rows[i : i + 4], CLS, SEP, PAD, 52)) for i in range(0, len(rows), 4)]).float().numpy()
+        want = torch.cat([enc(*add_specials(rows[i : i + 4], CLS, SEP, PAD, 52)) for i in range(0, len(rows), 4)])
+    want = want.float().numpy()  # (N, H)
     assert np.abs(fast - want).max() <= 1e-2 * np.abs(want).max()
     dist = np.linalg.norm(fast[:, None] - want[None], axis=-1)  # (N, N): bucketed row i to reference row j
     assert (dist.argmin(1) == np.arange(len(rows))).all()
