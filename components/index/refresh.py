@@ -60,23 +60,56 @@ def _is_hf_dataset(obj: Any) -> bool:
     return hasattr(obj, "column_names") and hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
 
 
-def _iter_batches(blocks: Iterable, batch_size: int) -> Iterator[list]:
+def row_length(row: Any) -> int:
+    """Tokens of one block row, the key `length_order` sorts by: a dict's `input_ids` (+ `title_ids`),
+    a (title, body) pair's total, else `len(row)` (a token list; a text's characters)."""
+    if isinstance(row, dict):
+        return sum(len(row[k]) for k in ("input_ids", "title_ids") if row.get(k) is not None)
+    if isinstance(row, tuple):
+        return sum(len(part) for part in row)
+    return len(row)
+
+
+def length_order(blocks: Any, length: Callable[[Any], int] | None = row_length) -> np.ndarray:
+    """Row positions (N,), longest row first (stable: ties keep their order; an already sorted
+    input comes back as 0..N-1). Batches cut from this order pad each row to a similar width
+    instead of the longest in a random mix (a corpus of 128-token blocks embedded at ~256).
+    Longest first, so the largest batch (the memory peak) comes first. An HF `Dataset` is measured
+    from its Arrow `input_ids` / `title_ids` columns without reading rows. `length=None`: 0..N-1."""
+    if length is None:
+        return np.arange(len(blocks))
+    if _is_hf_dataset(blocks) and length is row_length:
+        import pyarrow.compute as pc
+
+        cols = [c for c in ("input_ids", "title_ids") if c in blocks.column_names]
+        lens = np.zeros(len(blocks), dtype=np.int64)
+        if cols:
+            table = blocks.select_columns(cols).with_format("arrow")[:]  # respects a select()'s indices
+            for c in cols:
+                lens += pc.fill_null(pc.list_value_length(table[c]), 0).to_numpy().astype(np.int64)
+    else:
+        lens = np.fromiter((length(r) for r in blocks), dtype=np.int64, count=len(blocks))
+    return np.argsort(-lens, kind="stable")
+
+
+def take_rows(blocks: Any, positions: np.ndarray) -> Any:
+    """The rows at `positions`, in that order: an HF `Dataset` through `select` (no rows read),
+    else a list."""
+    if _is_hf_dataset(blocks) and hasattr(blocks, "select"):
+        return blocks.select(positions)
+    return [blocks[int(i)] for i in positions]
+
+
+def _iter_batches(blocks: Any, batch_size: int) -> Iterator[list]:
     """Lists of up to `batch_size` rows. An HF `Dataset` is read by slices (one Arrow read per
     batch, not one per row)."""
-    if _is_hf_dataset(blocks):
-        for start in range(0, len(blocks), batch_size):
+    for start in range(0, len(blocks), batch_size):
+        if _is_hf_dataset(blocks):
             cols = blocks[start : start + batch_size]  # dict of column -> list
             names = list(cols)
             yield [dict(zip(names, vals)) for vals in zip(*(cols[c] for c in names))]
-        return
-    batch: list = []
-    for row in blocks:
-        batch.append(row)
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+        else:
+            yield list(blocks[start : start + batch_size])
 
 
 def _count_tokens(rows: list, batch: Any) -> int:
@@ -98,8 +131,16 @@ def embed_blocks(
     desc: str = "embed blocks",
     log_every: int = 0,
     log_every_s: float | None = None,
+    length: Callable[[Any], int] | None = row_length,
 ) -> tuple[np.ndarray, dict]:
-    """Embed every block: `encode_fn(collate(rows))` -> (B, d), stacked to (N, d) float32.
+    """Embed every block: `encode_fn(collate(rows))` -> (B, d), stacked to (N, d) float32 in the
+    order of `blocks`.
+
+    Length bucketing: the rows are embedded longest first (`length_order` by `length(row)`), so a
+    batch pads to its own longest row, not to the longest of a random mix; the rows go back to
+    their own order before returning. With an attention mask padding changes nothing but float
+    noise (kernels of another width sum in another order). `length=None`: batches in the given
+    order (the reference the tests and bench/bench_embed_sort.py compare with).
 
     `blocks` is any iterable of rows or an HF `Dataset`; `collate=None` hands `encode_fn` the list
     of rows. Runs under `torch.inference_mode()`. Returns `(embeddings, stats)` with stats
@@ -110,7 +151,12 @@ def embed_blocks(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    total = len(blocks) if hasattr(blocks, "__len__") else None
+    if not (_is_hf_dataset(blocks) or hasattr(blocks, "__getitem__")):
+        blocks = list(blocks)  # a generator: sorting needs every row
+    order = length_order(blocks, length)  # (N,) position of the i-th row embedded
+    if (order != np.arange(len(order))).any():
+        blocks = take_rows(blocks, order)
+    total = len(blocks)
     chunks: list[np.ndarray] = []
     n_tokens = n_done = 0
     clock = ProgressClock(log_every, log_every_s)
@@ -132,7 +178,9 @@ def embed_blocks(
     seconds = clock.elapsed()
     if not chunks:
         raise ValueError("no blocks to embed")
-    emb = np.ascontiguousarray(np.concatenate(chunks, axis=0))  # (N, d)
+    sorted_emb = np.concatenate(chunks, axis=0)  # (N, d), row i is blocks[order[i]]
+    emb = np.empty_like(sorted_emb)
+    emb[order] = sorted_emb  # (N, d) back in the caller's order
     return emb, embed_stats(emb.shape[0], n_tokens, emb.shape[1], seconds)
 
 

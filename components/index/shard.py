@@ -5,9 +5,10 @@ document tower, the (N_blocks, d) matrix is all-gathered, and every rank builds 
     index, stats = groups.guard(lambda: embed_and_build_sharded(encode, blocks, ids, batch_size=64,
                                                                 collate=collate, groups=groups))
 
-Bit for bit the single-process build: the shards are cut on `batch_size` boundaries, so every
-encoder call sees exactly the batch (rows, padding) that one process would have sent, and the
-gathered rows are put back in block order. With one process (`group=None`) this is
+Bit for bit the single-process build: the rows are put in `embed_blocks`'s length order (longest
+first) before the shards are cut, on `batch_size` boundaries of that order, so every encoder call
+sees exactly the batch (rows, padding) that one process would have sent; the gathered rows are put
+back in block order. With one process (`group=None`) this is
 `refresh.embed_and_build` itself (`groups=None`, or one process).
 
 Why two extra gloo groups, and why gloo even when training uses NCCL:
@@ -54,12 +55,6 @@ def shard_range(n_blocks: int, batch_size: int, rank: int, world_size: int) -> t
     b0 = rank * per + min(rank, extra)
     b1 = b0 + per + (1 if rank < extra else 0)
     return min(b0 * batch_size, n_blocks), min(b1 * batch_size, n_blocks)
-
-
-def _slice(blocks: Any, start: int, stop: int) -> Any:
-    if hasattr(blocks, "select") and hasattr(blocks, "column_names"):  # HF Dataset: a contiguous select
-        return blocks.select(range(start, stop))
-    return blocks[start:stop]
 
 
 @dataclass
@@ -128,8 +123,10 @@ def embed_sharded(
     groups: RefreshGroups,
 ) -> tuple[np.ndarray, dict]:
     """This rank's shard through `refresh.embed_blocks`, then the all-gather -> (N, d) on every
-    rank. Stats as `embed_blocks`'s, for the whole corpus (`seconds`: embed + gather wall time)
-    plus `shard_blocks`, `shard_seconds` (this rank's embed alone) and `world_size`."""
+    rank, in block order. The shards are cut from the length order (`refresh.length_order`), which
+    the shard's own `embed_blocks` keeps as it is (already sorted). Stats as `embed_blocks`'s, for
+    the whole corpus (`seconds`: embed + gather wall time) plus `shard_blocks`, `shard_seconds`
+    (this rank's embed alone) and `world_size`."""
     group = groups.gather
     n, ws, rank = len(blocks), dist.get_world_size(group), dist.get_rank(group)  # type: ignore[arg-type]
     counts = [b - a for a, b in (shard_range(n, batch_size, r, ws) for r in range(ws))]
@@ -137,8 +134,10 @@ def embed_sharded(
     t0 = time.perf_counter()
     local, st, err = None, {}, None
     try:
+        order = refresh_lib.length_order(blocks)  # (N,) the same on every rank
         if stop > start:
-            local, st = refresh_lib.embed_blocks(encode_fn, _slice(blocks, start, stop), batch_size, collate, progress=False)
+            local, st = refresh_lib.embed_blocks(encode_fn, refresh_lib.take_rows(blocks, order[start:stop]), batch_size,
+                                                 collate, progress=False)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have been told
         err = e
     shard_seconds = time.perf_counter() - t0
@@ -147,7 +146,9 @@ def embed_sharded(
         raise err
     if n_ok != ws:
         raise RuntimeError(f"refresh: the embed failed on {ws - n_ok} other rank(s); keeping the old index")
-    emb = gather_rows(local if local is not None else np.zeros((0, d), np.float32), counts, group)  # (N, d)
+    by_length = gather_rows(local if local is not None else np.zeros((0, d), np.float32), counts, group)  # (N, d)
+    emb = np.empty_like(by_length)
+    emb[order] = by_length  # (N, d) in block order
     seconds = time.perf_counter() - t0
     return emb, {**refresh_lib.embed_stats(n, n_tokens, d, seconds),
                  "shard_blocks": stop - start, "shard_seconds": shard_seconds, "world_size": ws}
