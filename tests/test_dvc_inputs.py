@@ -80,7 +80,8 @@ def _groups(stages: set[str]) -> set[str]:
 
 @pytest.mark.parametrize("preset, expected", [
     ("paper", {"tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", *_ALL_FT, "evaluate"}),
-    ("small", {"prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", *_ALL_FT, "evaluate"}),
+    # small names no data key (it shares the default's corpus), so over tiny's world prepare_corpus stays
+    ("small", {"tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", *_ALL_FT, "evaluate"}),
 ])
 def test_a_preset_switch_dirties_exactly_the_stages_whose_values_change(tmp_path, preset, expected):
     ws = _locked_workspace(tmp_path)

@@ -22,7 +22,7 @@ from components.training.trainer import (
 )
 from tests.scripts.tiny_train import TinyLM, fixed_mask_collate, make_rows, random_mask_collate
 
-CPU = ComputeParams(device="cpu", seed=1234)
+CPU = ComputeParams(device="cpu", seed=1234, precision="fp32")  # exact-equality tests: no autocast
 
 
 def tp(**kw) -> TrainParams:

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     model = TinyLM(dropout=a.dropout)
     train = TrainParams(batch_size=a.batch_size, grad_accum=a.grad_accum, lr=3e-3, max_steps=a.max_steps,
                         checkpoint_every=a.checkpoint_every, keep_checkpoints=2, warmup_ratio=0.2)
-    compute = ComputeParams(device="cpu", seed=a.seed, num_threads=1)
+    compute = ComputeParams(device="cpu", seed=a.seed, num_threads=1, precision="fp32")  # DDP vs one process: exact math
     log_file = open(a.log_file, "a") if a.log_file else None
 
     def log_fn(metrics: dict, step: int) -> None:
