@@ -338,7 +338,7 @@ def test_constant_schedule_warms_up_then_holds():
 def test_autocast_for_follows_compute_precision_outside_the_trainer():
     """Embedding and evaluation run in compute.precision: bf16 autocasts matmuls on the CPU, fp32
     and CPU `auto` leave them alone."""
-    from components.training.trainer import autocast_for
+    from components.training.precision import autocast_for
 
     x, w = torch.randn(4, 8), torch.randn(8, 3)
     with autocast_for("bf16", "cpu"):
@@ -351,7 +351,7 @@ def test_autocast_for_follows_compute_precision_outside_the_trainer():
 def test_bf16_if_native_follows_the_cpu(monkeypatch, caplog):
     """`bf16_if_native` autocasts on a CPU with native BF16 and stays fp32 on one that would emulate
     it; explicit `bf16` on an emulating CPU still runs bf16 but warns, naming the param."""
-    from components.training import trainer as T
+    from components.training import precision as T
 
     cpu = torch.device("cpu")
     x, w = torch.randn(4, 8), torch.randn(8, 3)
