@@ -49,8 +49,8 @@ import numpy as np
 
 from components import paths
 from components.config import Params
-from components.data.realm_batch import (RealmCollator, RealmQuery, SpecialTokens, collate_queries, eligible_rows, fixed_queries,
-                                         passage_columns)
+from components.data.realm_batch import RealmCollator, SpecialTokens, collate_queries, passage_columns
+from components.data.realm_query import RealmQuery, eligible_rows, fixed_queries
 from components.data.salient_spans import span_tagger_for
 from components.eval.realm_probes import evaluate_mlm, probe_sets, run_probes
 from components.index.faiss_index import IndexStore
