@@ -19,7 +19,7 @@ from components.data.token_spans import sentence_token_spans
 from components.models.ict import ICTModel
 from components.models.realm import tiny_bert_config
 from components.models.retriever import Retriever
-from components.training.trainer import lr_at
+from components.training.optim import lr_at
 from tests.conftest import ROOT
 
 SP = SpecialTokens(pad=0, cls=2, sep=3, mask=4)

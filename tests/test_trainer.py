@@ -10,16 +10,9 @@ from torch import nn
 
 from components.config import ComputeParams, TrainParams
 from components.training import checkpoint as ckpt
-from components.training.trainer import (
-    LrGroup,
-    MicroBatches,
-    NonFiniteLossError,
-    StepSampler,
-    Trainer,
-    lr_at,
-    micro_batch_size,
-    param_groups,
-)
+from components.training.batches import MicroBatches, StepSampler, micro_batch_size
+from components.training.optim import LrGroup, lr_at, param_groups
+from components.training.trainer import NonFiniteLossError, Trainer
 from tests.scripts.tiny_train import TinyLM, fixed_mask_collate, make_rows, random_mask_collate
 
 CPU = ComputeParams(device="cpu", seed=1234)

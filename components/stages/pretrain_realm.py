@@ -59,8 +59,9 @@ from components.io import atomic_dir, write_json_atomic, write_text_atomic
 from components.models.realm import REALM_CONFIG, build_model
 from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
+from components.training.optim import LrGroup
 from components.training.precision import autocast_for
-from components.training.trainer import LrGroup, Trainer
+from components.training.trainer import Trainer
 from components.training.warmups import ict_warmup, reader_warmup
 
 log = logging.getLogger(__name__)

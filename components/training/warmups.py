@@ -35,7 +35,8 @@ from components.data.token_spans import block_spans
 from components.models.ict import ICTModel
 from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
 from components.models.retriever import Retriever
-from components.training.trainer import LogFn, Trainer, phase_params, prefixed
+from components.training.optim import phase_params
+from components.training.trainer import LogFn, Trainer, prefixed
 
 
 def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_dir: Path, log_fn: LogFn | None = None, *,
