@@ -15,9 +15,8 @@ Metric keys must be the same on every rank (they are all-reduced as one vector).
 Contract with the data: `dataset` is map-style (`len`, `[i]`: a list or an HF `datasets.Dataset`).
 `collate_fn(rows)` or `collate_fn(rows, generator=...)`: when the signature has a parameter named
 `generator`, it gets a `torch.Generator` seeded from (seed, step, rank, micro-batch), so random
-masking is identical after a resume. Do not draw from the global RNG in collate_fn. The data position
-is the optimiser step, so a resumed run sees exactly the batches it would have seen (data order:
-`batches.py`; what a checkpoint holds and how a run resumes: `resume.py`).
+masking is identical after a resume. Do not draw from the global RNG in collate_fn. The data position is
+the optimiser step (`batches.py`); what a checkpoint holds and how a run resumes is `resume.py`.
 
 Steps: `step` counts optimiser steps taken *or skipped*. A non-finite loss (or non-finite gradient
 norm, except fp16 overflow which GradScaler handles) skips the update, counts a bad step and moves
