@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_index.py --big            # + 1M (about 10-20 min on 2 cores)
     .venv/bin/python bench/bench_index.py --data clustered # mixture of Gaussians (closer to real embeddings)
 
-Each size: build every index with `components.index.faiss_index.build_index` (the defaults the
+Each size: build every index with `components.index.build.build_index` (the defaults the
 pipeline uses), then time
   * a batch of `--queries` queries (dense eval / throughput: ms per query),
   * a batch of `--step-batch` queries (one REALM training step's retrieval: ms per call),
@@ -30,7 +30,7 @@ import faiss
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from components.index import faiss_index as fi  # noqa: E402
+from components.index import build as fi  # noqa: E402
 
 
 def make_data(n: int, d: int, kind: str, rng: np.random.Generator) -> np.ndarray:
@@ -82,7 +82,7 @@ def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator, kinds
             "step_search_ms": 1000 * step_s,
             f"recall@{args.k}": recall_at(rows, exact),
             "bytes": index_bytes(index),
-            "params": fi._search_params(index),
+            "params": fi.search_params(index),
         }
         if args.sweep and kind in ("ivf", "hnsw"):
             row["sweep"] = sweep(index, kind, q, exact, args)
@@ -105,17 +105,17 @@ def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator, kinds
 
 def sweep(index: faiss.Index, kind: str, q: np.ndarray, exact: np.ndarray, args: argparse.Namespace) -> list[dict]:
     cpu = faiss.downcast_index(index)
-    original = fi._search_params(cpu)
+    original = fi.search_params(cpu)
     if kind == "ivf":
         knob, values = "nprobe", sorted({max(1, cpu.nlist // f) for f in (64, 32, 16, 8, 4)})
     else:
         knob, values = "efSearch", [16, 32, 64, 128, 256]
     res = []
     for v in values:
-        fi._apply_search_params(cpu, {knob: v})
+        fi.apply_search_params(cpu, {knob: v})
         s, rows = time_search(cpu, q, args.k, reps=2)
         res.append({knob: v, "ms_per_query": 1000 * s / len(q), f"recall@{args.k}": recall_at(rows, exact)})
-    fi._apply_search_params(cpu, original)
+    fi.apply_search_params(cpu, original)
     return res
 
 

@@ -75,7 +75,8 @@ from components.models.encoder import warm_start_path  # noqa: E402
 from components.models.realm import REALM, KnowledgeAugmentedEncoder  # noqa: E402
 from components.models.retriever import Retriever  # noqa: E402
 from components.models.retromae import RetroMAE  # noqa: E402
-from components.training.trainer import autocast_for, cpu_has_native_bf16, param_groups  # noqa: E402
+from components.training.precision import autocast_for, cpu_has_native_bf16  # noqa: E402
+from components.training.optim import param_groups  # noqa: E402
 
 GOAL = 0.50
 MODELS = ("retromae", "biencoder", "realm")

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.models.encoder import cls_pool, load_encoder, resolve_pretrained  # noqa: E402
-from components.training.trainer import cpu_has_native_bf16  # noqa: E402
+from components.training.precision import cpu_has_native_bf16  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:

@@ -45,9 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.config import load_params  # noqa: E402
-from components.data.realm_batch import (  # noqa: E402
-    RealmCollator, SpecialTokens, collate_queries, eligible_rows, fixed_queries, passage_inputs,
-)
+from components.data.realm_batch import RealmCollator, SpecialTokens, collate_queries, passage_inputs  # noqa: E402
+from components.data.realm_query import eligible_rows, fixed_queries  # noqa: E402
 from components.eval.realm_probes import heldout_probes, run_probes  # noqa: E402
 from components.index.faiss_index import IndexStore  # noqa: E402
 from components.index.realm_refresh import IndexRefresh, RefreshContext  # noqa: E402

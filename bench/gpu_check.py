@@ -104,7 +104,8 @@ def train_throughput(shape: dict, steps: int, device: torch.device, bf16: bool) 
 
 
 def refresh_throughput(shape: dict, n_embed: int, n_index: int, device: torch.device, bf16: bool) -> dict:
-    from components.index.faiss_index import BlockIndex, gpu_count
+    from components.index.build import gpu_count
+    from components.index.faiss_index import BlockIndex
 
     ids = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=shape["vocab"], special=(0, 1, 2, 3, 4))
     enc = EncoderParams(hidden_size=shape["hidden"], num_layers=shape["layers"], num_heads=shape["heads"],
@@ -164,7 +165,7 @@ def shard_worker(shape: dict, n_blocks: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from components.index.faiss_index import gpu_count
+    from components.index.build import gpu_count
     from components.index.shard import RefreshGroups, embed_and_build_sharded
 
     dist.init_process_group("gloo")  # 2 ranks may share one GPU, which NCCL refuses

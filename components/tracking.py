@@ -6,7 +6,8 @@
         run.log_artifact("data/tokens/tokenize_card.json")
 
 - Tracking URI: `tracking.uri` in params, else `$MLFLOW_TRACKING_URI`, else the embedded sqlite
-  store in the repo (`tracking.embedded_uri`). No server is needed for the default.
+  store in the repo (`tracking.embedded_uri`). No server is needed for the default. The URI, the
+  client and the server's health probe are `tracking_server.py`.
 - Parent run: `$RR_PARENT_RUN_ID` (set by `flows.pipeline`, which opens it). Without it, a stage run
   is a top-level run, so a stage can be run on its own.
 - DDP ranks: the stage flow starts the run, exports `MLFLOW_RUN_ID`, and rank 0 resumes it with
@@ -14,7 +15,7 @@
 - Step metrics go through `MetricBuffer`, a background flusher: a slow or absent tracking server
   never blocks a training step, and metrics logged while it is down are flushed when it returns
   (or reported, and saved to a local JSONL, if it never does: `python -m components.tracking
-  replay FILE` sends them, and the run's end status, once the server is back).
+  replay FILE` sends them, and the run's end status, once the server is back): `metric_buffer.py`.
 - Tags on every run: git commit + dirty flag, the DVC stage, a params digest, the Prefect flow-run id.
 - The experiment is tagged as model training (`mlflow.experimentKind`), so the MLflow UI opens it on
   the runs/models view, not the GenAI overview. Stage runs log system metrics (CPU, memory, GPU).
@@ -27,32 +28,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from components.config import Params
 from components.io import tree_digest, write_json_atomic
+from components.metric_buffer import MetricBuffer, replay_unsent
+from components.tracking_server import check_server, experiment_id, mlflow_client, server_reachable, tracking_uri, upload_large
 
 log = logging.getLogger(__name__)
 
 ENV_PARENT = "RR_PARENT_RUN_ID"
 ENV_RUN = "MLFLOW_RUN_ID"
 ENV_FLOW_RUN = "RR_PREFECT_FLOW_RUN_ID"
-EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # the UI's model-training view
-
-
-def tracking_uri(params: Params | None = None) -> str:
-    if params is not None and params.tracking.uri:
-        return params.tracking.uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    embedded = params.tracking.embedded_uri if params is not None else "sqlite:///mlflow.db"
-    return embedded
 
 
 def git_state(cwd: str | os.PathLike = ".") -> dict[str, str]:
@@ -77,179 +68,6 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-def _client(uri: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
-def is_server(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
-
-
-def experiment_id(client, name: str) -> str:
-    """The experiment `name` (created if missing), tagged as model training."""
-    exp = client.get_experiment_by_name(name)
-    if exp is None:
-        return client.create_experiment(name, tags=EXPERIMENT_KIND)
-    for k, v in EXPERIMENT_KIND.items():
-        if exp.tags.get(k) != v:
-            client.set_experiment_tag(exp.experiment_id, k, v)
-    return exp.experiment_id
-
-
-def upload_large(params: Params, uri: str) -> bool:
-    """tracking.upload_large_artifacts, or when null: upload when `uri` is a tracking server."""
-    choice = params.tracking.upload_large_artifacts
-    return is_server(uri) if choice is None else choice
-
-
-def _health_problem(uri: str, timeout: float) -> str | None:
-    """None when `uri` is not an http(s) server or its /health answers 200, else what went wrong."""
-    if not uri.startswith(("http://", "https://")):
-        return None
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as r:
-            return None if r.status == 200 else f"HTTP {r.status}"
-    except (urllib.error.URLError, OSError) as e:
-        return str(getattr(e, "reason", e))
-
-
-def server_reachable(uri: str, timeout: float = 2.0) -> bool:
-    """A quick probe before talking to a tracking server. MLflow's own HTTP client retries a dead
-    server for ~4 minutes per call (MLFLOW_HTTP_REQUEST_MAX_RETRIES=7, backoff factor 2), so a
-    call made while the server is down would stall the metric flusher or a stage's exit for that long."""
-    return _health_problem(uri, timeout) is None
-
-
-def check_server(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, with a clear message, when an http(s) tracking server does not answer.
-
-    Chosen over a silent fallback to the embedded store: a run logged somewhere the user is not
-    looking is worse than a stage that stops in seconds and says which URL to fix.
-    """
-    problem = _health_problem(uri, timeout)
-    if problem is None:
-        return
-    raise ConnectionError(
-        f"MLflow tracking server {uri} is not answering ({problem}). Start it (`bash infra/servers.sh up mlflow`), "
-        f"fix MLFLOW_TRACKING_URI / tracking.uri, or unset both to use the embedded store ({Params().tracking.embedded_uri}).")
-
-
-# ----------------------------------------------------------------------------------------------
-# metric buffer
-# ----------------------------------------------------------------------------------------------
-class MetricBuffer:
-    """Queue step metrics and send them from a background thread in batches.
-
-    If the server is unreachable the batch is kept and retried with backoff; training never waits.
-    `close()` makes a last attempt and returns how many metrics could not be sent; those are
-    written to `fallback_path` (JSONL) so nothing is lost.
-
-    `probe()` (optional) is asked before each send; False skips the attempt at once, so a dead
-    server costs a failed health check, not MLflow's minutes of retries. One sender at a time
-    (the flusher thread or `close()`): a batch is never sent twice nor dropped by a race.
-    """
-
-    def __init__(self, client, run_id: str, flush_every: float = 2.0, fallback_path: str | os.PathLike | None = None,
-                 probe: Callable[[], bool] | None = None):
-        self.client, self.run_id, self.flush_every = client, run_id, flush_every
-        self.fallback_path = Path(fallback_path) if fallback_path else None
-        self.probe = probe
-        self._q: queue.Queue = queue.Queue()
-        self._pending: list = []
-        self._send_lock = threading.Lock()
-        self._stop = threading.Event()
-        self.failures = 0
-        self.sent = 0
-        self._thread = threading.Thread(target=self._loop, name="mlflow-metrics", daemon=True)
-        self._thread.start()
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        ts = int(time.time() * 1000)
-        for k, v in metrics.items():
-            self._q.put(Metric(key=k, value=float(v), timestamp=ts, step=int(step)))
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                self._pending.append(self._q.get_nowait())
-            except queue.Empty:
-                return
-
-    def _failed(self, why: str) -> bool:
-        self.failures += 1
-        if self.failures in (1, 10) or self.failures % 100 == 0:
-            log.warning("MLflow unreachable (%s); %d metrics buffered, will retry", why, len(self._pending))
-        return False
-
-    def _flush(self) -> bool:
-        with self._send_lock:
-            return self._flush_locked()
-
-    def _flush_locked(self) -> bool:
-        self._drain()
-        if self._pending and self.probe is not None and not self.probe():
-            return self._failed("health check failed")
-        while self._pending:
-            batch = self._pending[:1000]  # MLflow's log_batch limit
-            try:
-                self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
-            except Exception as e:  # noqa: BLE001 - any transport error: keep the batch, retry later
-                return self._failed(type(e).__name__)
-            del self._pending[: len(batch)]
-            self.sent += len(batch)
-        return True
-
-    def _loop(self) -> None:
-        backoff = self.flush_every
-        while not self._stop.wait(backoff):
-            backoff = self.flush_every if self._flush() else min(backoff * 2, 30.0)
-
-    def close(self, timeout: float = 10.0) -> int:
-        """Stop the flusher and try to send what is left for up to `timeout` seconds in all.
-
-        Returns how many metrics could not be sent (saved to `fallback_path` when given).
-        """
-        deadline = time.monotonic() + timeout
-        self._stop.set()
-        self._thread.join(timeout=timeout)
-        while True:
-            # The flusher may still be inside a send (a server that died mid-call): wait for it
-            # until the deadline instead of sending the same batch concurrently.
-            if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                break
-            try:
-                ok = self._flush_locked()
-            finally:
-                self._send_lock.release()
-            if ok or time.monotonic() >= deadline:
-                break
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        locked = self._send_lock.acquire(timeout=0.1)
-        try:
-            self._drain()
-            unsent = list(self._pending)  # a batch still in flight may also arrive: at least once, never lost
-            self._pending.clear()
-        finally:
-            if locked:
-                self._send_lock.release()
-        if unsent and self.fallback_path:
-            self.fallback_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.fallback_path, "a", encoding="utf-8") as f:
-                for m in unsent:
-                    f.write(json.dumps({"run_id": self.run_id, "key": m.key, "value": m.value, "step": m.step,
-                                        "timestamp": m.timestamp}) + "\n")
-            log.error("%d metrics could not reach MLflow; saved to %s (send them later with "
-                      "`python -m components.tracking replay %s`)", len(unsent), self.fallback_path, self.fallback_path)
-        return len(unsent)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +97,7 @@ class StageRun:
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "StageRun":
         check_server(self.uri)
-        self.client = _client(self.uri)
+        self.client = mlflow_client(self.uri)
         if self.run_id is None:
             exp_id = experiment_id(self.client, self.params.tracking.experiment)
             tags = {"rr.stage": self.stage, "dvc.stage": self.stage, **git_state(),
@@ -468,7 +286,7 @@ def open_parent_run(params: Params, name: str = "pipeline", tags: dict[str, str]
     """Create the pipeline's parent run and return its id (callers export it as RR_PARENT_RUN_ID)."""
     uri = tracking_uri(params)
     check_server(uri)
-    client = _client(uri)
+    client = mlflow_client(uri)
     exp_id = experiment_id(client, params.tracking.experiment)
     run = client.create_run(exp_id, run_name=name, tags={"rr.kind": "pipeline", **git_state(),
                                                         "rr.params_digest": params.section_digest(), **(tags or {})})
@@ -476,7 +294,7 @@ def open_parent_run(params: Params, name: str = "pipeline", tags: dict[str, str]
 
 
 def close_run(params: Params, run_id: str, status: str = "FINISHED") -> None:
-    _client(tracking_uri(params)).set_terminated(run_id, status=status)
+    mlflow_client(tracking_uri(params)).set_terminated(run_id, status=status)
 
 
 def latest_stage_run(client, experiment_ids: list[str], stage: str, status: str = "FINISHED"):
@@ -487,43 +305,6 @@ def latest_stage_run(client, experiment_ids: list[str], stage: str, status: str 
                                                f"and attributes.status = '{status}'",
                                order_by=["attributes.start_time DESC"], max_results=1)
     return found[0] if found else None
-
-
-# ----------------------------------------------------------------------------------------------
-# replaying what could not be sent
-# ----------------------------------------------------------------------------------------------
-def replay_unsent(path: str | os.PathLike, uri: str | None = None, delete: bool = True) -> int:
-    """Send a `.mlflow-unsent-<run_id>.jsonl` file (metrics, and the run's end status when the
-    server was down at its end) to MLflow, tag the run `rr.metrics_replayed`, delete the file.
-    Returns the number of metrics sent. Run it once: a second replay would log the metrics twice.
-
-        python -m components.tracking replay .mlflow-unsent-<run_id>.jsonl [--uri URI]
-    """
-    from mlflow.entities import Metric
-
-    path = Path(path)
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    default_id = path.name.removeprefix(".mlflow-unsent-").removesuffix(".jsonl")
-    client = _client(uri or tracking_uri())
-    by_run: dict[str, list] = {}
-    ends: dict[str, str] = {}
-    for r in rows:
-        run_id = r.get("run_id") or default_id
-        if "key" in r:
-            by_run.setdefault(run_id, []).append(Metric(r["key"], float(r["value"]), int(r["timestamp"]), int(r["step"])))
-        elif "status" in r:
-            ends[run_id] = r["status"]
-    sent = 0
-    for run_id, metrics in by_run.items():
-        for i in range(0, len(metrics), 1000):
-            client.log_batch(run_id, metrics=metrics[i : i + 1000], synchronous=True)
-        client.set_tag(run_id, "rr.metrics_replayed", str(len(metrics)))
-        sent += len(metrics)
-    for run_id, status in ends.items():
-        client.set_terminated(run_id, status=status)
-    if delete:
-        path.unlink()
-    return sent
 
 
 def _main(argv: list[str] | None = None) -> None:

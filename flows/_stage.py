@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from components.config import Params
-from components.tracking import ENV_PARENT, StageRun, is_server
+from components.tracking import ENV_PARENT, StageRun
+from components.tracking_server import is_server
 from components.training.memory import peak_rss_mb
 from flows._runtime import params_from_env, prefect_tags
 

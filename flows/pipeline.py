@@ -39,7 +39,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from components.config import PARAMS_FILE, ParamsError, load_params
 from components.paths import METRICS
-from components.tracking import ENV_PARENT, close_run, open_parent_run, tracking_uri
+from components.tracking import ENV_PARENT, close_run, open_parent_run
+from components.tracking_server import tracking_uri
 from flows._runtime import STAGES, local_prefect_api, prefect_tags
 from flows._stage import eval_rows, mlflow_run_url, publish_eval_artifacts
 

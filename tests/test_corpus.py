@@ -6,8 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from components.config import DataParams
-from components.data.corpus import normalize_and_dedupe, read_jsonl, read_txt
+from components.data.corpus import normalize_and_dedupe
 from components.data.errors import DataError
+from components.data.line_readers import read_jsonl, read_txt
 from components.data.prepare import prepare_corpus
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from components.config import Params, ParamsError, load_params
-from components.data.corpus import read_jsonl, read_txt
+from components.data.line_readers import read_jsonl, read_txt
 from components.data.errors import DataError
 from components.data import beir
 from tests.conftest import ROOT

@@ -12,8 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.index import faiss_index as fi
-from components.index.faiss_index import BlockIndex, IndexIntegrityError, IndexStore, build_index
+from components.index import build as fb
+from components.index import index_files
+from components.index.build import build_index
+from components.index.faiss_index import BlockIndex, IndexStore
+from components.index.index_files import IndexIntegrityError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,32 +59,32 @@ def test_approximate_indexes_use_inner_product_and_find_most_neighbours(kind):
     exact = BlockIndex.build(x, None, "flat").search(q, 10)[1]
     bi = BlockIndex.build(x, None, kind)
     assert bi.index_type == kind
-    assert bi.index.metric_type == fi.faiss.METRIC_INNER_PRODUCT
+    assert bi.index.metric_type == fb.faiss.METRIC_INNER_PRODUCT
     rows = bi.search(q, 10)[1]
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows, exact)])
     assert recall > 0.9, recall
 
 
 def test_auto_switches_on_corpus_size_and_ivf_nlist():
-    assert fi.resolve_index_type(100, "auto", auto_flat_max=100) == "flat"
-    assert fi.resolve_index_type(101, "auto", auto_flat_max=100) == "ivf"
+    assert fb.resolve_index_type(100, "auto", auto_flat_max=100) == "flat"
+    assert fb.resolve_index_type(101, "auto", auto_flat_max=100) == "ivf"
     assert BlockIndex.build(_data(300), None, "auto", auto_flat_max=200).index_type == "ivf"
     assert BlockIndex.build(_data(300), None, "auto", auto_flat_max=300).index_type == "flat"
     with pytest.raises(ValueError):
-        fi.resolve_index_type(10, "lsh")  # type: ignore[arg-type]
+        fb.resolve_index_type(10, "lsh")  # type: ignore[arg-type]
     # with GPUs, auto stays exact (sharded GPU flat) far beyond the CPU threshold
-    assert fi.resolve_index_type(5_000_000, "auto", auto_flat_max=100, gpu=True) == "flat"
-    assert fi.resolve_index_type(fi.GPU_FLAT_MAX + 1, "auto", auto_flat_max=100, gpu=True) == "ivf"
-    assert fi.resolve_index_type(5_000_000, "auto", auto_flat_max=100, gpu=False) == "ivf"
-    assert fi.resolve_index_type(5_000, "hnsw", gpu=True) == "hnsw"  # explicit types are kept
-    assert fi.ivf_nlist(1_000_000) == 4000  # 4 sqrt(N)
-    assert fi.ivf_nlist(10_000) == 256  # capped: >= 39 training points per list
+    assert fb.resolve_index_type(5_000_000, "auto", auto_flat_max=100, gpu=True) == "flat"
+    assert fb.resolve_index_type(fb.GPU_FLAT_MAX + 1, "auto", auto_flat_max=100, gpu=True) == "ivf"
+    assert fb.resolve_index_type(5_000_000, "auto", auto_flat_max=100, gpu=False) == "ivf"
+    assert fb.resolve_index_type(5_000, "hnsw", gpu=True) == "hnsw"  # explicit types are kept
+    assert fb.ivf_nlist(1_000_000) == 4000  # 4 sqrt(N)
+    assert fb.ivf_nlist(10_000) == 256  # capped: >= 39 training points per list
     ivf = build_index(_data(2000), "ivf")
-    assert ivf.nlist == fi.ivf_nlist(2000) and 1 <= ivf.nprobe <= ivf.nlist
+    assert ivf.nlist == fb.ivf_nlist(2000) and 1 <= ivf.nprobe <= ivf.nlist
 
 
 def test_gpu_guard_on_cpu_faiss():
-    if fi.gpu_count() > 0:
+    if fb.gpu_count() > 0:
         pytest.skip("GPUs visible: the CPU-only guard is not what runs here")
     build_index(_data(50), "flat", use_gpu="auto")  # silently stays on the CPU
     with pytest.raises(RuntimeError, match="GPU"):
@@ -208,8 +211,8 @@ def test_tmp_leftovers_are_never_loaded_and_are_cleaned(tmp_path):
     # A refresh killed mid-publish (os._exit between writing the files and the rename).
     script = (
         "import os, numpy as np\n"
-        "from components.index import faiss_index as fi\n"
-        "fi._replace_dir = lambda src, dst: os._exit(9)\n"
+        "from components.index import faiss_index as fi, index_files\n"
+        "index_files.replace_dir = lambda src, dst: os._exit(9)\n"
         f"s = fi.IndexStore({str(root)!r})\n"
         "s.publish(fi.BlockIndex.build(np.ones((40, 16), np.float32), None, 'flat'), step=2)\n"
     )
@@ -235,7 +238,7 @@ def test_publish_failure_keeps_old_current_and_leaves_no_tmp(tmp_path, monkeypat
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(fi, "_replace_dir", boom)
+    monkeypatch.setattr(index_files, "replace_dir", boom)
     with pytest.raises(OSError, match="disk full"):
         store.publish(BlockIndex.build(_data(40, seed=2), None, "flat"), step=2)
     assert store.current().version == 1 and store.current_version() == 1

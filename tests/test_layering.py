@@ -28,7 +28,8 @@ _BY_PREFIX = {  # dotted module prefix -> layer; the longest matching prefix win
     "components.index": "index/retrieval", "components.retrieval": "index/retrieval",
     "components.training": "training",
     "components.eval": "eval",
-    "components.tracking": "stages", "components.stages": "stages",
+    "components.tracking": "stages", "components.tracking_server": "stages", "components.metric_buffer": "stages",
+    "components.stages": "stages",
     "flows": "flows",
 }
 

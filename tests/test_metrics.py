@@ -241,7 +241,7 @@ def test_skip_mode_counts_instead_of_raising(beir_dir: Path):
     assert d.n_skipped == 3
     assert any("corpus.jsonl:3:" in s for s in d.skipped)
     assert d.qrels == {"q2": {"d2": 1}} and set(d.corpus) == {"d1", "d2"}
-    # the lower-level readers report into a caller's list (e.g. corpus.ReadReport.skipped)
+    # the lower-level readers report into a caller's list (e.g. line_readers.ReadReport.skipped)
     sink: list[str] = []
     read_qrels(beir_dir / "qrels/test.tsv", known_docs={"d2"}, on_error="skip", skipped=sink)
     assert len(sink) == 2

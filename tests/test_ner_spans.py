@@ -12,7 +12,7 @@ import pytest
 
 from components.config import RealmParams
 from components.data import salient_spans as ss
-from components.data.realm_batch import make_query
+from components.data.realm_query import make_query
 from components.data.special_tokens import IGNORE_INDEX
 from components.data.tokenize import train_wordpiece
 

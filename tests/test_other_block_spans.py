@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from components.config import ParamsError, RealmParams, load_params
-from components.data import realm_batch as rb
+from components.data import realm_query as rq
+from components.data.special_tokens import SpecialTokens
 from tests.conftest import ROOT
 
 MASK = 1
@@ -57,8 +58,8 @@ def _masked(row: dict, p: RealmParams, counts, seeds: int = 40) -> set[str]:
     """The words masked over `seeds` draws ("" when make_query gives None)."""
     out = set()
     for seed in range(seeds):
-        q = rb.make_query(row, p, np.random.default_rng(seed), mask_token_id=MASK, row=0, span_blocks=counts)
-        out.add("" if q is None else " ".join(_words(rb.masked_answer(q))))
+        q = rq.make_query(row, p, np.random.default_rng(seed), mask_token_id=MASK, row=0, span_blocks=counts)
+        out.add("" if q is None else " ".join(_words(rq.masked_answer(q))))
     return out
 
 
@@ -68,24 +69,24 @@ def _words(ids) -> list[str]:
 
 
 def test_span_counts_are_the_blocks_that_hold_each_span(blocks):
-    counts = rb.span_block_counts(blocks, _params(lo=1))
+    counts = rq.span_block_counts(blocks, _params(lo=1))
     assert {" ".join(_words(sp)): n for sp, n in counts.items()} == {"Alpha": 1, "Beta": 3, "Gamma": 4, "Delta": 1}
-    assert rb.span_block_counts(blocks, _params()) is None  # off: no pass over the corpus
+    assert rq.span_block_counts(blocks, _params()) is None  # off: no pass over the corpus
 
 
 def test_only_spans_in_1_to_n_other_blocks_are_masked(blocks):
     row = blocks[0]  # Alpha is in 0 other blocks, Beta in 2, Gamma in 3
     off = _params()
     assert _masked(row, off, None) == {"Alpha", "Beta", "Gamma"}  # the paper's: any span
-    assert _masked(row, _params(lo=1), rb.span_block_counts(blocks, _params(lo=1))) == {"Beta", "Gamma"}
-    assert _masked(row, _params(lo=1, hi=2), rb.span_block_counts(blocks, _params(lo=1, hi=2))) == {"Beta"}
-    assert _masked(row, _params(hi=0), rb.span_block_counts(blocks, _params(hi=0))) == {"Alpha"}
-    assert _masked(blocks[3], _params(lo=1), rb.span_block_counts(blocks, _params(lo=1))) == {""}  # Delta: nowhere else
+    assert _masked(row, _params(lo=1), rq.span_block_counts(blocks, _params(lo=1))) == {"Beta", "Gamma"}
+    assert _masked(row, _params(lo=1, hi=2), rq.span_block_counts(blocks, _params(lo=1, hi=2))) == {"Beta"}
+    assert _masked(row, _params(hi=0), rq.span_block_counts(blocks, _params(hi=0))) == {"Alpha"}
+    assert _masked(blocks[3], _params(lo=1), rq.span_block_counts(blocks, _params(lo=1))) == {""}  # Delta: nowhere else
 
 
 def test_a_span_x_shows_elsewhere_is_not_masked(blocks):
     p = _params(lo=1)
-    counts = rb.span_block_counts(blocks, p)
+    counts = rq.span_block_counts(blocks, p)
     assert _masked(blocks[4], p, counts) == {""}  # x = "Gamma saw Gamma": the answer stands in x
     assert _masked(blocks[4], _params(), None) == {"Gamma"}  # off: masked all the same
     # x = the span's sentence: each Gamma is alone in its sentence, so it may be masked there
@@ -95,15 +96,15 @@ def test_a_span_x_shows_elsewhere_is_not_masked(blocks):
 
 def test_eligible_rows_and_fixed_queries_apply_the_filter(blocks):
     p = _params(lo=1, hi=2)
-    assert rb.eligible_rows(blocks, p, MASK, seed=0) == [0, 1, 2]  # Beta; Delta (0 others) and Gamma (3 others) drop
-    assert rb.eligible_rows(blocks, _params(), MASK, seed=0) == [0, 1, 2, 3, 4, 5]
-    answers = {" ".join(_words(rb.masked_answer(q)))
-               for q in rb.fixed_queries(blocks, [0, 1, 2], p, rb.SpecialTokens(pad=0, cls=2, sep=3, mask=MASK), 0, draws=8)}
+    assert rq.eligible_rows(blocks, p, MASK, seed=0) == [0, 1, 2]  # Beta; Delta (0 others) and Gamma (3 others) drop
+    assert rq.eligible_rows(blocks, _params(), MASK, seed=0) == [0, 1, 2, 3, 4, 5]
+    answers = {" ".join(_words(rq.masked_answer(q)))
+               for q in rq.fixed_queries(blocks, [0, 1, 2], p, SpecialTokens(pad=0, cls=2, sep=3, mask=MASK), 0, draws=8)}
     assert answers == {"Beta"}
 
 
 def test_the_filter_needs_the_counts_and_a_sane_range():
     with pytest.raises(ValueError, match="span_block_counts"):
-        rb.make_query(_row("b0"), _params(lo=1), np.random.default_rng(0), mask_token_id=MASK)
+        rq.make_query(_row("b0"), _params(lo=1), np.random.default_rng(0), mask_token_id=MASK)
     with pytest.raises(ParamsError, match="span_min_other_blocks=3"):
         load_params(ROOT / "params.yaml", overrides={"realm.span_min_other_blocks": 3, "realm.span_max_other_blocks": 1})

@@ -12,12 +12,14 @@ import torch
 
 from components.config import ParamsError, RealmParams, load_params
 from components.data import realm_batch as rb
+from components.data import realm_query as rq
 from components.data import salient_spans as ss
 from components.data.special_tokens import SpecialTokens
+from components.data.token_spans import sentence_token_spans
 from components.models.ict import ICTModel
 from components.models.realm import tiny_bert_config
 from components.models.retriever import Retriever
-from components.training.trainer import lr_at
+from components.training.optim import lr_at
 from tests.conftest import ROOT
 
 SP = SpecialTokens(pad=0, cls=2, sep=3, mask=4)
@@ -118,10 +120,10 @@ def _block(text: str) -> dict:
 def test_x_is_the_spans_sentence_or_a_window(unit):
     p = RealmParams(query_len=40, max_masks=4, span_tagger="regex", exclude_spans_in_query=False, query_unit=unit)
     row = _block(TEXT)
-    sents = rb.sentence_token_spans(row["text"], row["offsets"])
+    sents = sentence_token_spans(row["text"], row["offsets"])
     assert len(sents) == 3
     for seed in range(20):
-        q = rb.make_query(row, p, np.random.default_rng(seed), mask_token_id=SP.mask, row=0)
+        q = rq.make_query(row, p, np.random.default_rng(seed), mask_token_id=SP.mask, row=0)
         window = [lab if lab != -100 else t for t, lab in zip(q.input_ids, q.labels)]  # the span restored
         lo = row["input_ids"].index(window[0])  # ids are unique in this block
         assert window == row["input_ids"][lo:lo + len(window)]  # a contiguous piece of the block
@@ -137,7 +139,7 @@ def test_a_sentence_longer_than_query_len_is_cut_around_the_span():
     p = RealmParams(query_len=8, max_masks=4, span_tagger="regex", exclude_spans_in_query=False, query_unit="sentence")
     row = _block(TEXT)
     for seed in range(10):
-        q = rb.make_query(row, p, np.random.default_rng(seed), mask_token_id=SP.mask, row=0)
+        q = rq.make_query(row, p, np.random.default_rng(seed), mask_token_id=SP.mask, row=0)
         assert len(q.input_ids) == 6 and q.masked is not None
         assert all(t == SP.mask for t in q.input_ids[q.masked[0]:q.masked[1]])
 
@@ -260,7 +262,7 @@ def test_spacy_types_reach_the_masked_spans(ruler_nlp):
     p = RealmParams(query_len=40, max_masks=4, span_tagger="spacy", exclude_spans_in_query=False)
     masked = set()
     for seed in range(40):
-        q = rb.make_query(row, p, np.random.default_rng(seed), mask_token_id=SP.mask, row=0)
+        q = rq.make_query(row, p, np.random.default_rng(seed), mask_token_id=SP.mask, row=0)
         masked.add(SPACY_TEXT[row["offsets"][q.masked[0]][0]:row["offsets"][q.masked[1] - 1][1]])
     assert masked == {"12 March 1875", "Zorvan Teluk", "Ardel"}
 

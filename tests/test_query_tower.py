@@ -14,6 +14,7 @@ import torch
 
 from components.config import RealmParams
 from components.data import realm_batch as rb
+from components.data.realm_query import RealmQuery
 from components.data.special_tokens import SpecialTokens
 from components.index.faiss_index import IndexStore
 from components.index.realm_refresh import IndexRefresh, RefreshContext
@@ -44,8 +45,8 @@ def _step(r: Retriever) -> None:
             prm.add_(0.05 * torch.randn_like(prm))
 
 
-QUERIES = [rb.RealmQuery([11, SP.mask, 13], [-100, 12, -100], source_row=0),
-           rb.RealmQuery([15, 16, SP.mask], [-100, -100, 33], source_row=1)]
+QUERIES = [RealmQuery([11, SP.mask, 13], [-100, 12, -100], source_row=0),
+           RealmQuery([15, 16, SP.mask], [-100, -100, 33], source_row=1)]
 
 
 def _x(queries) -> dict[str, torch.Tensor]:

@@ -10,9 +10,9 @@ import torch
 
 from components.config import RealmParams
 from components.data.realm_batch import (
-    IGNORE_INDEX, MISSING_ROW, NULL_ROW, RealmQuery, SpecialTokens, build_batch, collate, passage_inputs,
-    retrieve_candidates,
+    IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens, build_batch, collate, passage_inputs, retrieve_candidates,
 )
+from components.data.realm_query import RealmQuery
 from components.models.realm import REALM, KnowledgeAugmentedEncoder, knowledge_augmented_inputs, tiny_bert_config
 from components.models.retriever import Retriever
 

@@ -21,9 +21,10 @@ from mlflow.tracking import MlflowClient
 import components.index.refresh as refresh_lib
 import components.stages.pretrain_realm as stage
 from components import paths
-from components.data.ict_batch import ICTCollator, ict_eligible_rows, sentence_token_spans
-from components.data.realm_batch import context_spans, eligible_rows, fixed_queries, masked_answer, passage_inputs
-from components.data.salient_spans import contains_span, salient_token_spans
+from components.data.ict_batch import ICTCollator, ict_eligible_rows
+from components.data.realm_batch import passage_inputs
+from components.data.realm_query import context_spans, eligible_rows, fixed_queries, masked_answer
+from components.data.token_spans import contains_span, salient_token_spans, sentence_token_spans
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.eval.realm_probes import answer_blocks, heldout_probes, probe_retrieval, same_entity_gold
 from components.index.faiss_index import BlockIndex, IndexStore
@@ -258,7 +259,7 @@ def test_probe_retrieval_leaves_out_the_source_block():
 
 
 def test_heldout_gold_is_the_other_blocks_holding_the_masked_answer():
-    from components.data.realm_batch import RealmQuery
+    from components.data.realm_query import RealmQuery
 
     blocks = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 6, 7]}, {"input_ids": [7, 6, 1]}, {"input_ids": [6, 7, 6]}]
     q = RealmQuery(input_ids=[5, 4, 4, 8], labels=[-100, 6, 7, -100], source_row=0, masked=(1, 3), masked_positions=[1, 2])

@@ -15,7 +15,8 @@ import torch
 from mlflow.entities import Metric
 
 from components.config import ComputeParams, TrainParams
-from components.tracking import MetricBuffer, StageRun, _main, open_parent_run
+from components.metric_buffer import MetricBuffer
+from components.tracking import StageRun, _main, open_parent_run
 from components.training import checkpoint as ckpt
 from components.training.trainer import Trainer
 from tests.conftest import tiny_params
@@ -213,14 +214,14 @@ def test_replay_sends_each_metric_once_per_file(tmp_path):
     f.write_text("".join(json.dumps({"key": "loss", "value": v, "step": s, "timestamp": 1}) + "\n" for s, v in [(1, 0.5), (2, 0.4)])
                  + json.dumps({"run_id": "abc", "status": "FAILED", "metrics_unsent": 2}) + "\n")
     client = Client()
-    import components.tracking as tr
+    import components.metric_buffer as mb
 
-    real = tr._client
-    tr._client = lambda uri: client
+    real = mb.mlflow_client
+    mb.mlflow_client = lambda uri: client
     try:
-        assert tr.replay_unsent(f, "http://x") == 2
+        assert mb.replay_unsent(f, "http://x") == 2
     finally:
-        tr._client = real
+        mb.mlflow_client = real
     (run_id, metrics), = client.batches
     assert run_id == "abc" and [(m.key, m.step, m.value) for m in metrics] == [("loss", 1, 0.5), ("loss", 2, 0.4)]
     assert isinstance(metrics[0], Metric) and client.ended == {"abc": "FAILED"} and client.tags[("abc", "rr.metrics_replayed")] == "2"

@@ -383,18 +383,18 @@ _KILLED_PUBLISH = r"""
 import sys, time
 from pathlib import Path
 import numpy as np
-from components.index import faiss_index as fi
+from components.index import faiss_index as fi, index_files
 
 root, flag = sys.argv[1], Path(sys.argv[2])
-real = fi._write_bytes
+real = index_files.write_bytes
 def torn(path, data):
-    if path.name == fi.INDEX_FILE:  # half the file is on disk when the kill comes
+    if path.name == index_files.INDEX_FILE:  # half the file is on disk when the kill comes
         with open(path, "wb") as f:
             f.write(bytes(data)[: len(data) // 2])
         flag.write_text(str(path))
         time.sleep(120)
     return real(path, data)
-fi._write_bytes = torn
+index_files.write_bytes = torn
 x = np.random.default_rng(2).standard_normal((4000, 16)).astype(np.float32)
 fi.IndexStore(root, use_gpu=False).publish(fi.BlockIndex.build(x, None, "flat"), step=2)
 """

@@ -7,8 +7,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from components.config import RealmParams
-from components.data.realm_batch import make_query
-from components.data.salient_spans import char_spans_to_token_spans, find_salient_spans, salient_token_spans
+from components.data.realm_query import make_query
+from components.data.salient_spans import find_salient_spans
+from components.data.token_spans import char_spans_to_token_spans, salient_token_spans
 from components.data.special_tokens import IGNORE_INDEX
 from components.data.tokenize import train_wordpiece
 

@@ -18,7 +18,8 @@ import pytest
 
 from components.config import DataParams, load_params
 from components.data import beir
-from components.data.corpus import load_source, read_beir_source, read_jsonl, read_txt
+from components.data.corpus import load_source, read_beir_source
+from components.data.line_readers import read_jsonl, read_txt
 from components.data.errors import DataError
 from components.data.prepare import prepare_corpus
 from components.data.squad import squad_to_beir

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from components.config import SplitParams, SyntheticParams
-from components.data.synthetic import (ENTITY_LABEL, SPLITS, NameRegistry, World, _template_vocab, assign_splits,
-                                       generate_world)
+from components.data.synthetic import SPLITS, World, assign_splits, generate_world
+from components.data.synthetic_text import ENTITY_LABEL, NameRegistry, _template_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 _NAME = re.compile(r"[A-Z][a-z]+")

@@ -7,7 +7,8 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components.tracking import ENV_PARENT, MetricBuffer, StageRun, close_run, latest_stage_run, open_parent_run
+from components.metric_buffer import MetricBuffer
+from components.tracking import ENV_PARENT, StageRun, close_run, latest_stage_run, open_parent_run
 
 
 @pytest.fixture(scope="module")

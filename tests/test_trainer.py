@@ -10,16 +10,9 @@ from torch import nn
 
 from components.config import ComputeParams, TrainParams
 from components.training import checkpoint as ckpt
-from components.training.trainer import (
-    LrGroup,
-    MicroBatches,
-    NonFiniteLossError,
-    StepSampler,
-    Trainer,
-    lr_at,
-    micro_batch_size,
-    param_groups,
-)
+from components.training.batches import MicroBatches, StepSampler, micro_batch_size
+from components.training.optim import LrGroup, lr_at, param_groups
+from components.training.trainer import NonFiniteLossError, Trainer
 from tests.scripts.tiny_train import TinyLM, fixed_mask_collate, make_rows, random_mask_collate
 
 CPU = ComputeParams(device="cpu", seed=1234, precision="fp32")  # exact-equality tests: no autocast
@@ -338,7 +331,7 @@ def test_constant_schedule_warms_up_then_holds():
 def test_autocast_for_follows_compute_precision_outside_the_trainer():
     """Embedding and evaluation run in compute.precision: bf16 autocasts matmuls on the CPU, fp32
     and CPU `auto` leave them alone."""
-    from components.training.trainer import autocast_for
+    from components.training.precision import autocast_for
 
     x, w = torch.randn(4, 8), torch.randn(8, 3)
     with autocast_for("bf16", "cpu"):
@@ -351,7 +344,7 @@ def test_autocast_for_follows_compute_precision_outside_the_trainer():
 def test_bf16_if_native_follows_the_cpu(monkeypatch, caplog):
     """`bf16_if_native` autocasts on a CPU with native BF16 and stays fp32 on one that would emulate
     it; explicit `bf16` on an emulating CPU still runs bf16 but warns, naming the param."""
-    from components.training import trainer as T
+    from components.training import precision as T
 
     cpu = torch.device("cpu")
     x, w = torch.randn(4, 8), torch.randn(8, 3)

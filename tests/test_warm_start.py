@@ -291,7 +291,7 @@ def test_reader_span_head_trains_at_head_lr_on_a_warm_start_only():
     finetune.qa_train.lr; from scratch (no warm start) everything trains at one lr."""
     from components.models.reader import OpenQA, SpanReader
     from components.training.finetune import reader_lr_groups
-    from components.training.trainer import param_groups
+    from components.training.optim import param_groups
 
     cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     model = OpenQA(None, SpanReader.from_config(cfg))

@@ -14,10 +14,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from components.data.realm_batch import RealmQuery, collate_queries, iter_block_rows, passage_inputs, sentence_token_spans
+from components.data.realm_batch import collate_queries, passage_inputs
+from components.data.realm_query import RealmQuery, iter_block_rows
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
+from components.data.token_spans import sentence_token_spans
 
-__all__ = ["ICTCollator", "ict_eligible_rows", "sentence_token_spans"]
+__all__ = ["ICTCollator", "ict_eligible_rows"]
 
 
 def ict_eligible_rows(blocks) -> list[int]:

@@ -14,11 +14,8 @@ found salient spans with a BERT NER tagger plus a regex date tagger. Here:
   install it) or falls back to the regex tagger with a WARNING (`ner_missing: regex`).
   `tagger` may also be a `SpanTagger` (`span_tagger_for(realm_params)`), whose `.kind` / `.fallback`
   say what the run actually used (the REALM stage tags its MLflow run with it).
-* `char_spans_to_token_spans(char_spans, offsets)` -> `[(tok_start, tok_end), ...]` (half-open),
-  using the tokenizer's `[char_start, char_end)` offsets of each token.
-* `salient_token_spans(block_row, tagger)`: a tokenized block's spans, grown to whole words;
-  `block_spans` gives their token sequences, `contains_span` finds one in a token list (what the
-  held-out probes' gold and the reader warm-up's documents are matched by).
+* Character spans become token spans of a tokenized block in `token_spans.py`
+  (`char_spans_to_token_spans`, `salient_token_spans`, `block_spans`, `contains_span`).
 
 Try it:
     .venv/bin/python -c "from components.data.salient_spans import find_salient_spans as f; \
@@ -264,66 +261,3 @@ def resolve_tagger(tagger: TaggerLike) -> Literal["regex", "spacy"]:
 def find_salient_spans(text: str, tagger: TaggerLike) -> list[Span]:
     """Named entities / dates (/ numbers, regex) in `text` as sorted `(char_start, char_end, label)`."""
     return as_tagger(tagger)(text)
-
-
-def char_spans_to_token_spans(
-    char_spans: Sequence[Sequence[int]], offsets: Sequence[Sequence[int]]
-) -> list[tuple[int, int]]:
-    """Map `[char_start, char_end)` spans to half-open token spans `[tok_start, tok_end)`.
-
-    A token belongs to a span when their character ranges overlap. (The released REALM code
-    keeps only tokens *inside* the span; for spans on word boundaries, as both taggers produce,
-    the two agree, and on a boundary inside a word overlapping masks the whole piece instead of
-    leaking half of it.) Zero-width tokens (specials, offsets (0, 0)) are ignored. Spans
-    that cover no token (e.g. text beyond the block) are dropped; duplicates are removed.
-    `char_spans` entries may carry a third element (the label); it is ignored.
-    """
-    starts = [int(o[0]) for o in offsets]
-    ends = [int(o[1]) for o in offsets]
-    out: list[tuple[int, int]] = []
-    for span in char_spans:
-        cs, ce = int(span[0]), int(span[1])
-        hit = [i for i, (s, e) in enumerate(zip(starts, ends)) if e > s and s < ce and cs < e]
-        if hit:
-            ts = (hit[0], hit[-1] + 1)
-            if ts not in out:
-                out.append(ts)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# salient spans of a tokenized block
-# ----------------------------------------------------------------------------------------------
-def _as_list(x) -> list:
-    return x.tolist() if hasattr(x, "tolist") else list(x)
-
-
-def whole_words(s: int, e: int, word_ids: Sequence[int]) -> tuple[int, int]:
-    """Grow [s, e) to whole words: masking half a word lets the reader read the answer off the rest."""
-    while s > 0 and word_ids[s - 1] == word_ids[s]:
-        s -= 1
-    while e < len(word_ids) and word_ids[e] == word_ids[e - 1]:
-        e += 1
-    return s, e
-
-
-def salient_token_spans(block_row: dict, tagger: TaggerLike) -> list[tuple[int, int]]:
-    """Whole-word token spans of the block's salient spans (source-marked `char_spans`, else tagged)."""
-    char_spans = _as_list(block_row.get("char_spans") or [])
-    if len(char_spans) == 0:
-        char_spans = [(s, e) for s, e, _ in find_salient_spans(block_row.get("text") or "", tagger)]
-    word_ids = _as_list(block_row["word_ids"])
-    spans = char_spans_to_token_spans(char_spans, _as_list(block_row["offsets"]))
-    return sorted({whole_words(s, e, word_ids) for s, e in spans})
-
-
-def block_spans(block_row: dict, tagger: TaggerLike) -> set[tuple[int, ...]]:
-    """The token sequences of a block's salient spans."""
-    ids = [int(t) for t in block_row["input_ids"]]
-    return {tuple(ids[s:e]) for s, e in salient_token_spans(block_row, tagger) if e > s}
-
-
-def contains_span(hay: Sequence[int], needle: tuple[int, ...]) -> bool:
-    """Whether the token sequence `needle` occurs in `hay`, in order."""
-    n = len(needle)
-    return any(tuple(hay[i:i + n]) == needle for i in range(len(hay) - n + 1))

@@ -1,6 +1,6 @@
 """Raw lines of a corpus file, gzip or not, refusing encodings the UTF-8 readers cannot decode.
 
-Every line-based reader (`corpus.read_txt` / `read_jsonl`, the BEIR and QA readers in `beir`)
+Every line-based reader (`line_readers.read_txt` / `read_jsonl`, the BEIR and QA readers in `beir`)
 opens its file through `iter_raw_lines`, so `corpus.jsonl.gz` reads exactly as `corpus.jsonl`:
 
     gzip         detected by its magic bytes (1f 8b), not the name: a `.jsonl` that is really

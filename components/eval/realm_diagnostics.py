@@ -40,8 +40,8 @@ from components import paths
 from components.config import Params, load_params
 from components.data.finetune_data import load_pairs
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
-from components.data.realm_batch import (RealmCollator, RealmQuery, collate, collate_queries, fixed_queries, passage_batch,
-                                         passage_columns)
+from components.data.realm_batch import RealmCollator, collate, collate_queries, passage_batch, passage_columns
+from components.data.realm_query import RealmQuery, fixed_queries
 from components.data.salient_spans import span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
 from components.eval.realm_probes import answer_blocks, same_entity_gold

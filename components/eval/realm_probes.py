@@ -27,9 +27,11 @@ import torch
 
 from components.config import RealmParams
 from components.data.beir import read_qrels, read_queries
-from components.data.realm_batch import RealmCollator, RealmQuery, collate_queries, context_spans, iter_block_rows, masked_answer
-from components.data.salient_spans import contains_span, span_tagger_for
+from components.data.realm_batch import RealmCollator, collate_queries
+from components.data.realm_query import RealmQuery, context_spans, iter_block_rows, masked_answer
+from components.data.salient_spans import span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
+from components.data.token_spans import contains_span
 from components.index.faiss_index import BlockIndex
 from components.models.realm import REALM
 from components.models.retriever import Retriever, encode_queries

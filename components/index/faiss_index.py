@@ -1,36 +1,24 @@
 """Maximum inner product search (MIPS) over block embeddings: REALM's `retriever` index and dense eval.
 
-Three pieces:
-
-* `build_index(embeddings, index_type)` -> a raw `faiss.Index`, inner product everywhere
-  (REALM scores a block by `encode_query(x) . encode_passage(z)`, never by a distance).
-* `BlockIndex`: the faiss index plus the row -> block id mapping; `search(q, k)` returns
-  `(scores (B, k) float32, rows (B, k) int64)` and `ids_for(rows)` maps rows to block ids.
-  Treated as immutable once built, so any number of threads may search it while a new one is built.
+* `BlockIndex`: a faiss index (built by `build.build_index`, inner product everywhere) plus the
+  row -> block id mapping; `search(q, k)` returns `(scores (B, k) float32, rows (B, k) int64)` and
+  `ids_for(rows)` maps rows to block ids. Treated as immutable once built, so any number of
+  threads may search it while a new one is built.
 * `IndexStore(root)`: versions on disk (`root/v0001/`, `root/v0002/`, ...) behind a `CURRENT`
   pointer, plus the in-memory current index that the training loop swaps at a step boundary.
 
-On-disk layout of one version (never pickled; every file hashed in meta.json, checked on load):
-
-    vNNNN/index.faiss   faiss.write_index format (a GPU index is copied to the CPU first)
-    vNNNN/ids.npy       block ids: fixed-width unicode (`<U..`) or int64, `allow_pickle=False`
-    vNNNN/meta.json     version, step, n, dim, type, build_seconds, sha256 of the two files, extra
+One version on disk (never pickled; every file hashed in meta.json, checked on load) is
+`index_files.py`'s.
 
 Try it:
     .venv/bin/python -c "import numpy as np; from components.index.faiss_index import BlockIndex; \
 x = np.random.rand(1000, 32).astype('float32'); bi = BlockIndex.build(x, index_type='hnsw'); \
 print(bi.search(x[:2], 3))"
 """
-
 from __future__ import annotations
 
 import contextlib
 import copy
-import errno
-import hashlib
-import io
-import json
-import math
 import os
 import re
 import shutil
@@ -38,196 +26,22 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterator, Sequence
 
 import faiss
 import numpy as np
+
+from components.index import index_files as files
+from components.index.build import IndexType, UseGpu, as_matrix, build_index, index_kind, is_gpu_index, to_cpu, to_gpu, want_gpu
+from components.index.index_files import META_FILE, TMP_PREFIX, IndexIntegrityError
 
 try:  # POSIX only; used to keep two *processes* from publishing the same version number.
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-IndexType = Literal["flat", "ivf", "hnsw", "auto"]
-UseGpu = bool | Literal["auto"]
-
-INDEX_FILE = "index.faiss"
-IDS_FILE = "ids.npy"
-META_FILE = "meta.json"
 CURRENT_FILE = "CURRENT"
-TMP_PREFIX = ".tmp-"
-FORMAT_VERSION = 1
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
-
-# Defaults chosen from bench/bench_index.py (bench/results/index.json). `auto` is exact flat up to
-# 1M blocks on the CPU: the bench's recommendation (up to there flat search costs a REALM index
-# version less than building an IVF index would save), as params.yaml's `realm.index_auto_flat_max`.
-DEFAULT_AUTO_FLAT_MAX = 1_000_000
-DEFAULT_HNSW_M = 32
-DEFAULT_HNSW_EF_CONSTRUCTION = 100
-DEFAULT_HNSW_EF_SEARCH = 128
-GPU_FLAT_MAX = 50_000_000  # auto with GPUs: 50M x 128-d fp32 = 25 GiB, sharded over the GPUs
-
-
-class IndexIntegrityError(ValueError):
-    """A stored index version is incomplete, or a file's sha256 differs from its meta.json."""
-
-
-# ----------------------------------------------------------------------------------------------
-# building
-# ----------------------------------------------------------------------------------------------
-def resolve_index_type(
-    n: int, index_type: IndexType, auto_flat_max: int = DEFAULT_AUTO_FLAT_MAX, *, gpu: bool | None = None
-) -> str:
-    """`auto` -> exact `flat` up to `auto_flat_max` blocks, `ivf` above; with GPUs (`gpu=None`:
-    faiss sees one) `flat` up to `GPU_FLAT_MAX`, since a sharded GPU flat search over millions of
-    blocks takes milliseconds (REALM itself used exact MIPS on accelerators).
-
-    Why IVF over HNSW above the threshold (bench/bench_index.py, 100k x 128-d, inner product):
-    IVF builds ~20x faster (a refresh rebuilds the index, so build time is paid every
-    `refresh_every` steps) and reaches recall@10 ~1.0 on clustered data at nprobe = nlist/8, where
-    HNSW-IP stays at ~0.6-0.75 (inner product is not a metric, which hurts HNSW's graph).
-    """
-    if index_type == "auto":
-        if gpu is None:
-            gpu = gpu_count() > 0
-        return "flat" if n <= (max(auto_flat_max, GPU_FLAT_MAX) if gpu else auto_flat_max) else "ivf"
-    if index_type not in ("flat", "ivf", "hnsw"):
-        raise ValueError(f"index_type must be flat|ivf|hnsw|auto, got {index_type!r}")
-    return index_type
-
-
-def ivf_nlist(n: int) -> int:
-    """~4 sqrt(N) inverted lists, but at least 39 training points per centroid (faiss' minimum)."""
-    return int(max(1, min(round(4 * math.sqrt(n)), n // 39)))
-
-
-def ivf_nprobe(nlist: int) -> int:
-    """Lists visited per query: ~1/8 of them (at least 8). On random 128-d data this gives
-    recall@10 ~0.9+ (bench/bench_index.py); real embeddings are clustered and do better."""
-    return int(min(nlist, max(8, round(nlist / 8))))
-
-
-def gpu_count() -> int:
-    """GPUs faiss can use: 0 with faiss-cpu (no GPU symbols) or when none is visible."""
-    if not hasattr(faiss, "GpuMultipleClonerOptions"):
-        return 0
-    try:
-        return int(faiss.get_num_gpus())
-    except Exception:  # a broken CUDA runtime must not take CPU search down with it
-        return 0
-
-
-def _want_gpu(use_gpu: UseGpu) -> bool:
-    n = gpu_count()
-    if use_gpu is True and n == 0:
-        raise RuntimeError("use_gpu=True, but faiss has no GPU support or no GPU is visible")
-    return bool(use_gpu) and n > 0
-
-
-def to_gpu(index: faiss.Index) -> faiss.Index:
-    """Shard a CPU index over all visible GPUs (each holds N/ngpu rows; results are merged)."""
-    co = faiss.GpuMultipleClonerOptions()
-    co.shard = True  # sharded, not replicated: the corpus is split so it fits in GPU memory
-    return faiss.index_cpu_to_all_gpus(index, co=co)
-
-
-def to_cpu(index: faiss.Index) -> faiss.Index:
-    """The CPU copy of a (possibly GPU) index; a CPU index is returned as is."""
-    return faiss.index_gpu_to_cpu(index) if _is_gpu_index(index) else index
-
-
-def _is_gpu_index(index: faiss.Index) -> bool:
-    return "Gpu" in type(index).__name__ or "IndexShards" in type(index).__name__
-
-
-def _as_matrix(x: np.ndarray, name: str) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2:
-        raise ValueError(f"{name} must be 2-D (N, d), got shape {x.shape}")
-    if not np.isfinite(x).all():
-        raise ValueError(f"{name} holds NaN/inf values; refusing to index them")
-    return x
-
-
-def build_index(
-    embeddings: np.ndarray,
-    index_type: IndexType = "flat",
-    *,
-    auto_flat_max: int = DEFAULT_AUTO_FLAT_MAX,
-    use_gpu: UseGpu = "auto",
-    nlist: int | None = None,
-    nprobe: int | None = None,
-    hnsw_m: int = DEFAULT_HNSW_M,
-    ef_construction: int = DEFAULT_HNSW_EF_CONSTRUCTION,
-    ef_search: int = DEFAULT_HNSW_EF_SEARCH,
-    seed: int = 1234,
-) -> faiss.Index:
-    """A filled inner-product faiss index over `embeddings` (N, d) float32.
-
-    flat: `IndexFlatIP` (exact; sharded over all GPUs when `use_gpu` and GPUs are visible).
-    ivf:  `IndexIVFFlat(METRIC_INNER_PRODUCT)`, k-means trained on the data, nlist ~ 4 sqrt(N).
-    hnsw: `IndexHNSWFlat(METRIC_INNER_PRODUCT)`, M=hnsw_m.
-    IVF and HNSW stay on the CPU (faiss has no GPU HNSW; GPU IVF is not worth it at REALM sizes).
-    """
-    x = _as_matrix(embeddings, "embeddings")  # (N, d)
-    n, d = x.shape
-    if n == 0:
-        raise ValueError("cannot build an index over 0 embeddings")
-    kind = resolve_index_type(n, index_type, auto_flat_max, gpu=_want_gpu(use_gpu))
-
-    if kind == "flat":
-        index = faiss.IndexFlatIP(d)
-        if _want_gpu(use_gpu):
-            index = to_gpu(index)
-        index.add(x)
-        return index
-
-    if kind == "ivf":
-        nlist = nlist or ivf_nlist(n)
-        quantizer = faiss.IndexFlatIP(d)
-        index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
-        index.cp.seed = seed
-        index.train(x)
-        index.add(x)
-        index.nprobe = nprobe or ivf_nprobe(nlist)
-        return index  # faiss' Python wrapper keeps `quantizer` alive via the index's references
-
-    # hnsw
-    index = faiss.IndexHNSWFlat(d, hnsw_m, faiss.METRIC_INNER_PRODUCT)
-    index.hnsw.efConstruction = ef_construction
-    index.hnsw.efSearch = ef_search
-    index.add(x)
-    return index
-
-
-def _index_kind(index: faiss.Index) -> str:
-    cpu = faiss.downcast_index(index) if not _is_gpu_index(index) else index
-    if isinstance(cpu, faiss.IndexHNSW):
-        return "hnsw"
-    if isinstance(cpu, faiss.IndexIVF):
-        return "ivf"
-    return "flat"
-
-
-def _search_params(index: faiss.Index) -> dict[str, int]:
-    """The query-time knobs, stored in meta.json and re-applied on load."""
-    if _is_gpu_index(index):
-        return {}
-    cpu = faiss.downcast_index(index)
-    if isinstance(cpu, faiss.IndexIVF):
-        return {"nlist": int(cpu.nlist), "nprobe": int(cpu.nprobe)}
-    if isinstance(cpu, faiss.IndexHNSW):
-        return {"efSearch": int(cpu.hnsw.efSearch), "efConstruction": int(cpu.hnsw.efConstruction)}
-    return {}
-
-
-def _apply_search_params(index: faiss.Index, params: dict[str, int]) -> None:
-    cpu = faiss.downcast_index(index)
-    if isinstance(cpu, faiss.IndexIVF) and "nprobe" in params:
-        cpu.nprobe = int(params["nprobe"])
-    if isinstance(cpu, faiss.IndexHNSW) and "efSearch" in params:
-        cpu.hnsw.efSearch = int(params["efSearch"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,12 +74,12 @@ class BlockIndex:
         self.index = index
         self.ids = _as_ids(ids, index.ntotal)
         self.meta: dict[str, Any] = dict(meta or {})
-        self.meta.setdefault("type", _index_kind(index))
+        self.meta.setdefault("type", index_kind(index))
         self.meta.setdefault("n", int(index.ntotal))
         self.meta.setdefault("dim", int(index.d))
         # faiss CPU indexes allow concurrent searches; GPU ones do not (their StandardGpuResources
         # is not thread-safe), so GPU searches are serialized.
-        self._gpu_lock = threading.Lock() if _is_gpu_index(index) else None
+        self._gpu_lock = threading.Lock() if is_gpu_index(index) else None
 
     @classmethod
     def build(
@@ -320,7 +134,7 @@ class BlockIndex:
         A slot with no result (k > N, or an approximate index that found fewer) has row -1 and
         score -inf; callers that need exactly k must check `rows >= 0`.
         """
-        q = _as_matrix(q, "queries")  # (B, d)
+        q = as_matrix(q, "queries")  # (B, d)
         if q.shape[1] != self.dim:
             raise ValueError(f"query dim {q.shape[1]} != index dim {self.dim}")
         if k < 1:
@@ -356,8 +170,8 @@ class BlockIndex:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = folder.parent / f"{TMP_PREFIX}{folder.name}-{uuid.uuid4().hex[:8]}"
         try:
-            meta = _write_version_dir(self, tmp, extra_meta or {})
-            _replace_dir(tmp, folder)
+            meta = files.write_version_dir(self, tmp, extra_meta or {})
+            files.replace_dir(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return meta
@@ -365,91 +179,10 @@ class BlockIndex:
     @classmethod
     def load(cls, folder: str | os.PathLike, *, use_gpu: UseGpu = "auto", verify: bool = True) -> "BlockIndex":
         """Read a version folder; with `verify`, every file's sha256 must match meta.json."""
-        folder = Path(folder)
-        meta_path = folder / META_FILE
-        if not meta_path.is_file():
-            raise IndexIntegrityError(f"{folder}: no {META_FILE} (incomplete or not an index folder)")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        blobs = {}
-        for name in (INDEX_FILE, IDS_FILE):
-            path = folder / name
-            if not path.is_file():
-                raise IndexIntegrityError(f"{folder}: missing {name}")
-            # Hash exactly the bytes we deserialize (no window between check and read).
-            blobs[name] = path.read_bytes()
-            if verify:
-                want = meta.get("files", {}).get(name, {}).get("sha256")
-                got = hashlib.sha256(blobs[name]).hexdigest()
-                if want != got:
-                    raise IndexIntegrityError(f"{path}: sha256 {got} != {want} recorded in {META_FILE}")
-        index = faiss.deserialize_index(np.frombuffer(blobs.pop(INDEX_FILE), dtype=np.uint8))
-        _apply_search_params(index, meta.get("search_params", {}))
-        ids = np.load(io.BytesIO(blobs.pop(IDS_FILE)), allow_pickle=False)
-        if index.ntotal != meta.get("n") or index.d != meta.get("dim") or len(ids) != index.ntotal:
-            raise IndexIntegrityError(
-                f"{folder}: meta says n={meta.get('n')} dim={meta.get('dim')}, files hold "
-                f"n={index.ntotal} dim={index.d} ids={len(ids)}"
-            )
-        if meta.get("type") == "flat" and _want_gpu(use_gpu):
+        index, ids, meta = files.read_version_dir(Path(folder), verify)
+        if meta.get("type") == "flat" and want_gpu(use_gpu):
             index = to_gpu(index)
         return cls(index, ids, meta)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_bytes(path: Path, data: bytes | memoryview) -> str:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return hashlib.sha256(data).hexdigest()
-
-
-def _write_version_dir(bi: BlockIndex, folder: Path, extra_meta: dict) -> dict:
-    """Write index.faiss, ids.npy, then meta.json (last: it carries the hashes) into `folder`."""
-    folder.mkdir(parents=True)
-    cpu = to_cpu(bi.index)
-    index_bytes = faiss.serialize_index(cpu)  # uint8 array, the faiss.write_index format
-    ids_buf = io.BytesIO()
-    np.save(ids_buf, bi.ids, allow_pickle=False)
-    files = {
-        INDEX_FILE: {"sha256": _write_bytes(folder / INDEX_FILE, memoryview(index_bytes)), "bytes": int(index_bytes.size)},
-        IDS_FILE: {"sha256": _write_bytes(folder / IDS_FILE, ids_buf.getbuffer()), "bytes": ids_buf.getbuffer().nbytes},
-    }
-    meta = {
-        **{k: v for k, v in bi.meta.items() if k not in ("files",)},
-        "format": FORMAT_VERSION,
-        "n": len(bi),
-        "dim": bi.dim,
-        "type": _index_kind(cpu),
-        "search_params": _search_params(cpu),
-        "ids_dtype": str(bi.ids.dtype),
-        "faiss_version": faiss.__version__,
-        "created_unix": round(time.time(), 3),
-        "extra": {**bi.meta.get("extra", {}), **extra_meta},
-        "files": files,
-    }
-    _write_bytes(folder / META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
-    _fsync_dir(folder)
-    return meta
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """os.replace for a directory: atomic on POSIX when `dst` is absent or an empty directory."""
-    try:
-        os.replace(src, dst)
-    except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise FileExistsError(f"{dst} already exists and is not empty") from None
-        raise
-    _fsync_dir(dst.parent)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -587,8 +320,8 @@ class IndexStore:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a killed publish
             stamped = index.with_meta(version=version, step=step if step is not None else index.step)
             try:
-                meta = _write_version_dir(stamped, tmp, extra_meta or {})
-                _replace_dir(tmp, self.path(version))
+                meta = files.write_version_dir(stamped, tmp, extra_meta or {})
+                files.replace_dir(tmp, self.path(version))
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             stamped = stamped.with_meta(**{k: meta[k] for k in ("files", "extra", "created_unix", "search_params")})
@@ -607,9 +340,9 @@ class IndexStore:
 
     def _write_pointer(self, version: int) -> None:
         tmp = self.root / f"{TMP_PREFIX}{CURRENT_FILE}-{uuid.uuid4().hex[:8]}"
-        _write_bytes(tmp, f"v{version:04d}\n".encode())
+        files.write_bytes(tmp, f"v{version:04d}\n".encode())
         os.replace(tmp, self.root / CURRENT_FILE)
-        _fsync_dir(self.root)
+        files.fsync_dir(self.root)
 
     def cleanup_partial(self) -> list[Path]:
         """Remove `.tmp-*` leftovers (a refresh killed mid-write). Returns what was removed."""

@@ -42,7 +42,7 @@ from components.eval.rows import eval_sets, qa_rows, retrieval_rows
 from components.io import write_json_atomic, write_text_atomic
 from components.paths import CORPUS, METRICS, PLOTS, TOKENS
 from components.tracking import latest_stage_run
-from components.training.trainer import autocast_for
+from components.training.precision import autocast_for
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,9 @@ from components.data.finetune_data import load_qa
 from components.data.tokenize import load_tokenizer
 from components.paths import CORPUS, TOKENS, reader_out
 from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, skip_stage
+from components.training.batches import seed_everything
 from components.training.finetune import READER_SECTIONS, new_reader, qa_inputs_exist, train_gold_reader, train_reader
-from components.training.trainer import prefixed, seed_everything
+from components.training.trainer import prefixed
 
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ import numpy as np
 
 from components import paths
 from components.config import Params
-from components.data.realm_batch import (RealmCollator, RealmQuery, SpecialTokens, collate_queries, eligible_rows, fixed_queries,
-                                         passage_columns)
+from components.data.realm_batch import RealmCollator, SpecialTokens, collate_queries, passage_columns
+from components.data.realm_query import RealmQuery, eligible_rows, fixed_queries
 from components.data.salient_spans import span_tagger_for
 from components.eval.realm_probes import evaluate_mlm, probe_sets, run_probes
 from components.index.faiss_index import IndexStore
@@ -59,7 +59,9 @@ from components.io import atomic_dir, write_json_atomic, write_text_atomic
 from components.models.realm import REALM_CONFIG, build_model
 from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import LrGroup, Trainer, autocast_for
+from components.training.optim import LrGroup
+from components.training.precision import autocast_for
+from components.training.trainer import Trainer
 from components.training.warmups import ict_warmup, reader_warmup
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ from components.models.retromae import RetroMAE
 from components.paths import INIT_ENCODER, MLM_OUT, RETROMAE_OUT, TOKENS, stage_metrics
 from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
-from components.training.trainer import LrGroup, TrainResult, Trainer, phase_params, prefixed
+from components.training.optim import LrGroup, phase_params
+from components.training.trainer import TrainResult, Trainer, prefixed
 
 log = logging.getLogger(__name__)
 

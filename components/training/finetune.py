@@ -41,7 +41,8 @@ from components.models.encoder import resolve_pretrained
 from components.paths import INIT_ENCODER, MLM_ENCODER, REALM_OUT, REALM_SYSTEM_OUT, RETROMAE_ENCODER
 from components.retrieval.negatives import mine_dense_negatives
 from components.retrieval.search import bm25_qa_blocks, frozen_search_fn, gold_qa_blocks, load_block_index, tower_search_fn
-from components.training.trainer import LrGroup, Trainer, TrainResult, phase_params, prefixed
+from components.training.optim import LrGroup, phase_params
+from components.training.trainer import Trainer, TrainResult, prefixed
 
 log = logging.getLogger(__name__)
 

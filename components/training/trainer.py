@@ -15,11 +15,8 @@ Metric keys must be the same on every rank (they are all-reduced as one vector).
 Contract with the data: `dataset` is map-style (`len`, `[i]`: a list or an HF `datasets.Dataset`).
 `collate_fn(rows)` or `collate_fn(rows, generator=...)`: when the signature has a parameter named
 `generator`, it gets a `torch.Generator` seeded from (seed, step, rank, micro-batch), so random
-masking is identical after a resume. Do not draw from the global RNG in collate_fn.
-
-Data order: an epoch-seeded permutation (compute.seed + epoch), cut into global batches of
-`train.batch_size`; rank r takes its contiguous share, split into `grad_accum` micro-batches. The
-data position is the optimiser step, so a resumed run sees exactly the batches it would have seen.
+masking is identical after a resume. Do not draw from the global RNG in collate_fn. The data position is
+the optimiser step (`batches.py`); what a checkpoint holds and how a run resumes is `resume.py`.
 
 Steps: `step` counts optimiser steps taken *or skipped*. A non-finite loss (or non-finite gradient
 norm, except fp16 overflow which GradScaler handles) skips the update, counts a bad step and moves
@@ -31,21 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import hashlib
-import inspect
 import logging
 import os
-import random
 import sys
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -56,6 +47,10 @@ from components.progress import PROGRESS_EVERY_S, progress_line
 from components.training import checkpoint as ckpt
 from components.training import distributed as D
 from components.training import memory
+from components.training.batches import MicroBatches, StepSampler, micro_batch_size, seed_everything, to_device
+from components.training.optim import SCHEDULES, LrGroup, lr_at, param_groups
+from components.training.precision import AMP_DTYPES, resolve_precision
+from components.training.resume import resume_trainer, save_trainer_checkpoint
 
 LogFn = Callable[[dict[str, float], int], Any]
 
@@ -68,13 +63,6 @@ def prefixed(log_fn: LogFn | None, prefix: str) -> LogFn | None:
     if log_fn is None:
         return None
     return lambda metrics, step: log_fn({f"{prefix}{k}": v for k, v in metrics.items()}, step)
-
-
-def phase_params(train: TrainParams, steps: int, lr: float, **update: Any) -> TrainParams:
-    """A short training phase's knobs: `train` with its own steps and lr, checkpointing at least
-    once within the phase (so a killed phase resumes)."""
-    return train.model_copy(update={"max_steps": steps, "lr": lr,
-                                    "checkpoint_every": max(1, min(train.checkpoint_every, steps)), **update})
 
 
 class NonFiniteLossError(RuntimeError):
@@ -115,222 +103,6 @@ class Hooks:
         if unknown:
             raise ValueError(f"unknown hook(s) {sorted(unknown)}; known: {sorted(names)}")
         return cls(**{k: list(v) if isinstance(v, (list, tuple)) else [v] for k, v in hooks.items()})
-
-
-# ----------------------------------------------------------------------------------------------
-# pure helpers (unit-tested on their own)
-# ----------------------------------------------------------------------------------------------
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def mix_seed(*parts: int) -> int:
-    """A well-spread 63-bit seed from ints (seed, step, rank, ...): nearby tuples get unrelated streams."""
-    digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-SCHEDULES = ("linear", "constant")
-
-
-def lr_at(step: int, train: TrainParams, schedule: str = "linear") -> float:
-    """LR for the optimiser step with 0-based index `step`: linear warmup, then linear decay to 0
-    (`linear`) or train.lr to the end (`constant`, for a short phase that hands over to another).
-
-    Warmup reaches train.lr at step == warmup; the last step (max_steps - 1) still gets a non-zero
-    LR, so no step is wasted at lr 0.
-    """
-    w = train.warmup_steps()
-    if step < w:
-        return train.lr * (step + 1) / w
-    if schedule == "constant":
-        return train.lr
-    return train.lr * max(0.0, (train.max_steps - step) / max(1, train.max_steps - w))
-
-
-def micro_batch_size(train: TrainParams, world_size: int, prefix: str = "train") -> int:
-    """Per-rank micro batch = batch_size / (world_size * grad_accum); must divide exactly."""
-    div = world_size * train.grad_accum
-    if train.batch_size % div:
-        raise ValueError(
-            f"{prefix}.batch_size={train.batch_size} (the global batch per optimiser step) must be divisible "
-            f"by world_size ({world_size}) x {prefix}.grad_accum ({train.grad_accum}) = {div}; "
-            f"pick {prefix}.batch_size as a multiple of {div}"
-        )
-    return train.batch_size // div
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls natively (x86 AVX512-BF16 or AMX-BF16, read from
-    /proc/cpuinfo). Without them oneDNN emulates bf16, and autocast is 2-3x slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """`compute.precision` -> fp32 | bf16 | fp16.
-    auto: bf16 on a CUDA device that supports it, else fp32.
-    bf16_if_native: bf16 wherever the hardware runs it natively (that CUDA device, or a CPU with
-    AVX512-BF16 / AMX), else fp32."""
-    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    if precision == "auto":
-        return "bf16" if cuda_bf16 else "fp32"
-    if precision == "bf16_if_native":
-        return "bf16" if cuda_bf16 or (device.type == "cpu" and cpu_has_native_bf16()) else "fp32"
-    if precision == "bf16" and device.type == "cuda" and not cuda_bf16:
-        raise RuntimeError("compute.precision=bf16 but this GPU has no bf16 support; use fp16 or fp32")
-    if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        _warn_emulated_bf16()
-    return precision
-
-
-@functools.cache  # once per process: resolve_precision runs at every autocast_for
-def _warn_emulated_bf16() -> None:
-    log.warning("compute.precision=bf16 on a CPU without AVX512-BF16/AMX: oneDNN emulates bf16, 2-3x slower "
-                "than fp32 here (bench/bench_precision.py); set compute.precision=bf16_if_native or fp32")
-
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a resolved precision -> its autocast dtype (fp32: none)
-
-
-def autocast_for(precision: str, device: torch.device | str):
-    """The mixed-precision context of `compute.precision` on `device`, for forward passes outside
-    the Trainer (embedding blocks, evaluation); a no-op for fp32. bf16 autocast runs on CPUs too:
-    with AVX512-BF16 / AMX a BERT forward is ~2.5x faster than fp32."""
-    device = torch.device(device)
-    dtype = AMP_DTYPES.get(resolve_precision(precision, device))
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
-
-
-_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.RMSNorm)
-
-
-@dataclass(frozen=True)
-class LrGroup:
-    """Parameters trained at their own base lr (e.g. a fresh head beside a pre-trained body).
-
-    The schedule scales it as it scales train.lr: the group keeps `lr / train.lr` as its `lr_scale`
-    (in the optimiser state, so a resume keeps it). Logged as `lr_<name>`."""
-
-    name: str
-    selects: Callable[[str], bool]  # a parameter's name in model.named_parameters() -> in this group
-    lr: float
-
-
-def param_groups(model: nn.Module, weight_decay: float, lr_groups: Sequence[LrGroup] = (),
-                 base_lr: float | None = None) -> list[dict]:
-    """AdamW groups: decay for weight matrices/embeddings, none for biases and norm weights; and
-    that split again for each `lr_groups` entry (the first that selects a parameter wins), with its
-    `lr_scale` = group lr / `base_lr`. Without lr_groups: the two groups, both at scale 1.
-
-    A tied weight is one parameter, listed once (under the name it is first reached by).
-    """
-    if lr_groups and not base_lr:
-        raise ValueError("lr_groups need base_lr (train.lr) to turn each group's lr into a scale")
-    keys = [("", 1.0)] + [(g.name, g.lr / base_lr) for g in lr_groups]
-    split = {k: ([], []) for k, _ in keys}
-    seen = set()
-    for mname, module in model.named_modules():
-        is_norm = isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
-        for name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            full = f"{mname}.{name}" if mname else name
-            group = next((g.name for g in lr_groups if g.selects(full)), "")
-            decay, no_decay = split[group]
-            (no_decay if is_norm or name.endswith("bias") or p.ndim < 2 else decay).append(p)
-    out = []
-    for key, scale in keys:
-        decay, no_decay = split[key]
-        if key and not (decay or no_decay):
-            raise ValueError(f"lr group {key!r} selects no trainable parameter")
-        out += [{"params": decay, "weight_decay": weight_decay, "lr_scale": scale, "group": key},
-                {"params": no_decay, "weight_decay": 0.0, "lr_scale": scale, "group": key}]
-    return out
-
-
-class StepSampler:
-    """Which dataset rows a (step, micro-batch) gets on this rank; a pure function of its inputs."""
-
-    def __init__(self, num_rows: int, batch_size: int, world_size: int, rank: int, grad_accum: int, seed: int):
-        if num_rows < batch_size:
-            raise ValueError(f"dataset has {num_rows} rows, fewer than one global batch (batch_size={batch_size})")
-        self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
-        self.rank, self.grad_accum = rank, grad_accum
-        self.per_rank = batch_size // world_size
-        self.micro = self.per_rank // grad_accum
-        self.steps_per_epoch = num_rows // batch_size  # the remainder of each permutation is dropped
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.num_rows, generator=g)
-        return self._perm
-
-    def indices(self, step: int, micro: int) -> list[int]:
-        epoch, pos = divmod(step, self.steps_per_epoch)
-        start = pos * self.batch_size + self.rank * self.per_rank + micro * self.micro
-        return self._permutation(epoch)[start : start + self.micro].tolist()
-
-
-def _wants_generator(collate_fn: Callable) -> bool:
-    try:
-        p = inspect.signature(collate_fn).parameters.get("generator")
-    except (TypeError, ValueError):
-        return False
-    return p is not None and p.kind is not inspect.Parameter.POSITIONAL_ONLY
-
-
-class MicroBatches(torch.utils.data.Dataset):
-    """Item i = collated micro-batch i of the run from `start_step` (step-major, micro-minor).
-
-    Map-style so `num_workers > 0` collates in workers and still gives the same batches in order.
-    """
-
-    def __init__(self, dataset, collate_fn, sampler: StepSampler, start_step: int, max_steps: int, seed: int):
-        self.dataset, self.collate_fn, self.sampler = dataset, collate_fn, sampler
-        self.start_step, self.max_steps, self.seed = start_step, max_steps, seed
-        self.accum = sampler.grad_accum
-        self.with_generator = _wants_generator(collate_fn)
-
-    def __len__(self) -> int:
-        return max(0, self.max_steps - self.start_step) * self.accum
-
-    def _rows(self, idx: list[int]) -> list:
-        if hasattr(self.dataset, "__getitems__"):  # HF datasets: one columnar read, then rows
-            return list(self.dataset.__getitems__(idx))
-        return [self.dataset[i] for i in idx]
-
-    def __getitem__(self, i: int):
-        step, micro = divmod(i, self.accum)
-        step += self.start_step
-        rows = self._rows(self.sampler.indices(step, micro))
-        if not self.with_generator:
-            return self.collate_fn(rows)
-        g = torch.Generator().manual_seed(mix_seed(self.seed, step, self.sampler.rank, micro))
-        return self.collate_fn(rows, generator=g)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,7 +197,7 @@ class Trainer:
         t_start = time.perf_counter()
         # Same dropout stream for a given seed whatever ran before; a resume overrides it below.
         seed_everything(self.compute.seed + self.rank)
-        self._resume()
+        resume_trainer(self)
         for fn in self.hooks.on_train_start:
             fn(self.step, self)
         if self.step >= self.train.max_steps:
@@ -620,86 +392,9 @@ class Trainer:
         self._reset_window()
 
     # ------------------------------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            # The schedule is a pure function of the step; recorded so a resume can check it.
-            "scheduler": {"kind": "linear_warmup_linear_decay" if self.schedule == "linear" else "linear_warmup_constant",
-                          "last_step": self.step, "lr_scales": {g.name: g.lr / self.train.lr for g in self.lr_groups},
-                          "warmup_steps": self.train.warmup_steps(), "max_steps": self.train.max_steps},
-            "scaler": self.scaler.state_dict(),
-            "bad_steps": self.bad_steps,
-            "consecutive_bad": self.consecutive_bad,
-        }  # fmt: skip
-
     def save_checkpoint(self) -> Path:
         """Write `checkpoints/step-N/` atomically (rank 0 writes the shared files, each rank its RNG)."""
-        tmp = self.ckpt_dir / f".tmp-{ckpt.step_dirname(self.step)}"
-        if self.is_rank0:
-            ckpt.begin_checkpoint(self.ckpt_dir, self.step)
-        D.barrier()
-        if self.is_rank0:
-            ckpt.write_model(tmp, self.raw_model)
-            ckpt.write_state(tmp, self._state())
-        ckpt.write_rng(tmp, self.rank)
-        D.barrier()
-        final = self.ckpt_dir / ckpt.step_dirname(self.step)
-        if self.is_rank0:
-            extra = {"world_size": self.world_size, "precision": self.precision, "param_prefix": self.prefix}
-            final = ckpt.commit_checkpoint(tmp, self.step, extra)
-            ckpt.prune_checkpoints(self.ckpt_dir, self.train.keep_checkpoints)
-        D.barrier()
-        self.last_checkpoint = final
-        for fn in self.hooks.on_checkpoint:
-            fn(self.step, final)
-        return final
-
-    def _resume(self) -> None:
-        """Load the newest checkpoint that verifies (rank 0 picks, every rank loads the same one)."""
-        step = -1
-        if self.is_rank0:
-            ckpt.remove_stale_tmp(self.ckpt_dir)
-            path = ckpt.latest_checkpoint(self.ckpt_dir, quarantine=True)
-            step = ckpt.read_meta(path)["step"] if path is not None else -1
-        step = D.broadcast_int(step, self.device)
-        if step < 0:
-            return
-        path = self.ckpt_dir / ckpt.step_dirname(step)
-        state = ckpt.load_state(path)
-        ckpt.load_model_weights(path, self.raw_model)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler.is_enabled() and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        rng = ckpt.load_rng(path, self.rank)
-        if rng is not None:
-            ckpt.set_rng_state(rng)
-        else:
-            warnings.warn(f"{path}: no RNG state for rank {self.rank} (world size changed?); dropout will differ",
-                          ckpt.CheckpointWarning, stacklevel=2)  # fmt: skip
-        self.step = int(state["step"])
-        self.bad_steps = int(state.get("bad_steps", 0))
-        self.consecutive_bad = int(state.get("consecutive_bad", 0))
-        self.resumed_from = self.step
-        self.last_checkpoint = path
-        D.barrier()
+        return save_trainer_checkpoint(self)
 
 
-__all__ = [
-    "Hooks",
-    "LrGroup",
-    "MicroBatches",
-    "NonFiniteLossError",
-    "StepSampler",
-    "TrainResult",
-    "Trainer",
-    "autocast_for",
-    "lr_at",
-    "micro_batch_size",
-    "mix_seed",
-    "param_groups",
-    "cpu_has_native_bf16",
-    "resolve_precision",
-    "seed_everything",
-    "to_device",
-]
+__all__ = ["Hooks", "LogFn", "NonFiniteLossError", "TrainResult", "Trainer", "prefixed"]

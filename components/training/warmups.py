@@ -27,15 +27,16 @@ from torch import nn
 
 from components.config import Params
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
-from components.data.realm_batch import (
-    NULL_ROW, RealmQuery, collate, iter_block_rows, make_query, masked_answer, span_block_counts, unmasked_spans,
-)
-from components.data.salient_spans import TaggerLike, block_spans, span_tagger_for
+from components.data.realm_batch import NULL_ROW, collate
+from components.data.realm_query import RealmQuery, iter_block_rows, make_query, masked_answer, span_block_counts, unmasked_spans
+from components.data.salient_spans import TaggerLike, span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
+from components.data.token_spans import block_spans
 from components.models.ict import ICTModel
 from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
 from components.models.retriever import Retriever
-from components.training.trainer import LogFn, Trainer, phase_params, prefixed
+from components.training.optim import phase_params
+from components.training.trainer import LogFn, Trainer, prefixed
 
 
 def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_dir: Path, log_fn: LogFn | None = None, *,
