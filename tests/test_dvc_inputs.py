@@ -106,8 +106,8 @@ def test_set_param_keeps_every_comment_and_changes_only_the_lines_it_sets(tmp_pa
     after = f.read_text().splitlines()
     assert len(after) == len(before)
     diff = [(a, b) for a, b in zip(before, after) if a != b]
-    assert [b.strip() for _, b in diff] == ["max_steps: 61", "top_k: 7"], diff
-    assert [l for l in after if "#" in l] == [l for l in before if "#" in l]
+    assert [b.split("#")[0].strip() for _, b in diff] == ["max_steps: 61", "top_k: 7"], diff
+    assert [l.partition("#")[2] for l in after if "#" in l] == [l.partition("#")[2] for l in before if "#" in l]  # every comment kept
 
 
 def test_set_params_args_are_what_dvc_exp_run_takes():
