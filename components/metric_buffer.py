@@ -10,12 +10,22 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from components.tracking_server import mlflow_client, tracking_uri
+
+# MLflow refuses a metric name with any other character; a row name such as `ft:retromae@32` (a
+# point of the label-efficiency curve) becomes `ft:retromae_at_32`, anything else not allowed `_`.
+_NOT_IN_METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-. :/]")
+
+
+def metric_key(key: str) -> str:
+    """`key` as a name MLflow accepts (alphanumerics, `_ - . : /` and spaces)."""
+    return _NOT_IN_METRIC_NAME.sub("_", key.replace("@", "_at_"))
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +61,7 @@ class MetricBuffer:
 
         ts = int(time.time() * 1000)
         for k, v in metrics.items():
-            self._q.put(Metric(key=k, value=float(v), timestamp=ts, step=int(step)))
+            self._q.put(Metric(key=metric_key(k), value=float(v), timestamp=ts, step=int(step)))
 
     def _drain(self) -> None:
         while True:

@@ -36,7 +36,7 @@ from typing import Any
 
 from components.config import Params
 from components.io import tree_digest, write_json_atomic
-from components.metric_buffer import MetricBuffer, replay_unsent
+from components.metric_buffer import MetricBuffer, metric_key, replay_unsent
 from components.tracking_server import check_server, experiment_id, mlflow_client, server_reachable, tracking_uri, upload_large
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class StageRun:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(metric_key(k), float(v), ts, step) for k, v in metrics.items()])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from components.config import Params
+from components.metric_buffer import metric_key
 from components.tracking import ENV_PARENT, StageRun
 from components.tracking_server import is_server
 from components.training.memory import peak_rss_mb
@@ -331,7 +332,7 @@ def attach_metrics(run: StageRun, by_model: dict[str, dict[str, float]], dataset
         if name not in ids:
             continue
         for k, v in metrics.items():
-            batch.append(Metric(k, float(v), ts, 0, model_id=ids[name],
+            batch.append(Metric(metric_key(k), float(v), ts, 0, model_id=ids[name],
                                 dataset_name=dataset[0] if dataset else None, dataset_digest=dataset[1] if dataset else None))
             n += 1
     for i in range(0, len(batch), 1000):

@@ -148,3 +148,14 @@ def test_torchrun_worker_rank0_resumes_the_stage_run_and_ends_it(tracked, monkey
             common.torchrun_worker("finetune", body)
         assert client.get_run(flow_run.run_id).info.status == ("FAILED" if fails else "FINISHED")
         assert [m.value for m in client.get_metric_history(flow_run.run_id, "loss")] == [0.5]
+
+
+def test_a_curve_points_metric_name_is_one_mlflow_accepts(tracked):
+    """evaluate logs one metric per row; a label-efficiency point (`ft:retromae@32`) has an `@`,
+    which MLflow refuses: the name is mapped, in the synchronous and the buffered path alike."""
+    p, client = tracked
+    with StageRun("evaluate", p, ["evaluate"], system_metrics=False) as run:
+        run.log_metrics_now({"main.ft:retromae@32.ndcg_at_10": 0.5})
+        run.log_metrics({"main.ft:mlm@32.ndcg_at_10": 0.25}, step=1)
+    got = client.get_run(run.run_id).data.metrics
+    assert got["main.ft:retromae_at_32.ndcg_at_10"] == 0.5 and got["main.ft:mlm_at_32.ndcg_at_10"] == 0.25
