@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from flows._runtime import STAGES, local_prefect_api, prefect_tags
 from flows._stage import eval_rows, mlflow_run_url, publish_eval_artifacts
 
 PRESETS_DIR = Path("params")
+log = logging.getLogger(__name__)
 
 
 def preset_overrides(preset: str) -> dict[str, Any]:
@@ -62,6 +64,38 @@ def preset_overrides(preset: str) -> dict[str, Any]:
         return out
 
     return leaves(raw)
+
+
+def _committed_params() -> dict | None:
+    """params.yaml as committed at HEAD (the default a preset switch starts from), or None outside
+    a git checkout."""
+    try:
+        text = subprocess.run(["git", "show", f"HEAD:{PARAMS_FILE}"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return yaml.safe_load(text) or {}
+
+
+def preset_switch(preset: str) -> dict[str, Any]:
+    """What `--preset` writes into params.yaml: the preset's keys, and every key that another preset
+    names reset to its committed value, so presets switch instead of stacking (`tiny` then `small`
+    is small, not small over tiny's world). `default` writes only the reset."""
+    own = {} if preset == "default" else preset_overrides(preset)
+    base = _committed_params()
+    if base is None:
+        log.warning("--preset %s: not a git checkout, so the keys other presets set keep their current values", preset)
+        return own
+    named = set().union(*(preset_overrides(str(f)).keys() for f in sorted(PRESETS_DIR.glob("*.yaml"))))
+    reset = {key: value for key in sorted(named - own.keys()) for found, value in [_lookup(base, key)] if found}
+    return {**reset, **own}
+
+
+def _lookup(tree: dict, key: str) -> tuple[bool, Any]:
+    """(found, value) of a dotted key in a nested dict."""
+    *parents, leaf = key.split(".")
+    for part in parents:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return (True, tree[leaf]) if isinstance(tree, dict) and leaf in tree else (False, None)
 
 
 def _hydra_value(v: Any) -> str:
@@ -344,7 +378,7 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
     if concurrency < 1 or concurrency > 8:
         raise ValueError(f"concurrency={concurrency}: 1 (one stage at a time) to 8")
     stages = plan(target=target, upto=upto, only=only)
-    changes = {**(preset_overrides(preset) if preset else {}), **(overrides or {})}
+    changes = {**(preset_switch(preset) if preset else {}), **(overrides or {})}
     apply_param_overrides(changes)
     params = load_params()
     parent = open_parent_run(params, tags={"rr.overrides": json.dumps(overrides or {}), "rr.preset": preset or "",

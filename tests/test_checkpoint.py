@@ -20,7 +20,7 @@ from components.training.trainer import Trainer
 from tests.scripts.tiny_train import TinyLM, make_rows, random_mask_collate
 
 REPO = Path(__file__).resolve().parents[1]
-CPU = ComputeParams(device="cpu", seed=1234)
+CPU = ComputeParams(device="cpu", seed=1234, precision="fp32")  # weights compared with torch.equal: no autocast
 
 
 def trainer(out: Path, max_steps: int = 10, **kw) -> Trainer:

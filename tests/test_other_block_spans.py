@@ -51,7 +51,7 @@ def blocks():
 
 def _params(lo=None, hi=None, **kw) -> RealmParams:
     return RealmParams(query_len=32, max_masks=4, exclude_spans_in_query=False, span_min_other_blocks=lo,
-                       span_max_other_blocks=hi, **kw)
+                       span_max_other_blocks=hi, **{"span_tagger": "regex", **kw})  # the corpus marks its own spans
 
 
 def _masked(row: dict, p: RealmParams, counts, seeds: int = 40) -> set[str]:

@@ -95,7 +95,7 @@ def test_restart_mid_training_blocks_nothing_and_loses_no_metric(server, tmp_pat
 
     train = TrainParams(batch_size=8, lr=3e-3, max_steps=30, checkpoint_every=10, keep_checkpoints=5)
     torch.manual_seed(0)
-    trainer = Trainer(TinyLM(), make_rows(), random_mask_collate, train, ComputeParams(device="cpu", seed=1),
+    trainer = Trainer(TinyLM(), make_rows(), random_mask_collate, train, ComputeParams(device="cpu", seed=1, precision="fp32"),
                       tmp_path / "train", log_fn=log_fn, hooks={"on_step_end": outage}, progress=False)
     result = trainer.fit()
     run.__exit__(None, None, None)

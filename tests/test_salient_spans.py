@@ -111,7 +111,7 @@ def test_char_to_token_spans_on_wordpiece(wordpiece):
 # make_query: salient span masking and the ablations
 # ----------------------------------------------------------------------------------------------
 def params(**kw) -> RealmParams:
-    return RealmParams(**{"query_len": 16, "max_masks": 4, "span_tagger": "regex", **kw})
+    return RealmParams(**{"query_len": 16, "max_masks": 4, "span_tagger": "regex", "exclude_spans_in_query": True, **kw})
 
 
 def test_salient_span_mask_masks_exactly_one_salient_span(wordpiece):
