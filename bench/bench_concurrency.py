@@ -61,7 +61,7 @@ def stage_seconds(ws: Path) -> dict[str, float]:
 
 def run_level(level: int, preset: str, workdir: Path) -> dict:
     ws = fresh_clone(workdir / f"concurrency{level}")
-    preset_args = ["--preset", preset] if preset != "tiny" else []
+    preset_args = ["--preset", preset]
     with open(ws / "bench.log", "w") as log:
         setup_s = pipeline(ws, *preset_args, "--upto", "pretrain_realm", log=log)
         phase = {g: round(pipeline(ws, "--only", g, "--concurrency", str(level), log=log), 1) for g in PHASE}
@@ -73,7 +73,7 @@ def run_level(level: int, preset: str, workdir: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny", help="tiny (params.yaml as shipped), small or paper")
+    ap.add_argument("--preset", default="tiny", help="a params/ preset: tiny, small or paper")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rr-bench-concurrency"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/concurrency.json")

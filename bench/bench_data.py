@@ -42,7 +42,9 @@ def main(argv=None) -> dict:
             card = prepare_corpus(DataParams(source="jsonl", path=str(args.path), jsonl_fields={"text": "text", "title": None, "id": "id"}), tmp / "corpus")
             res["prepare"].append(time.perf_counter() - t0)
             for n in (1, 2):
-                tc = tokenize_corpus(TokenizeParams(num_proc=n, vocab_size=8000), tmp / "corpus", tmp / f"tokens{n}")
+                # the block lengths of the earlier results (params/tiny.yaml's), not the default's 62 / 254
+                tp = TokenizeParams(num_proc=n, vocab_size=8000, pretrain_block_len=126, retrieval_block_len=64)
+                tc = tokenize_corpus(tp, tmp / "corpus", tmp / f"tokens{n}")
                 res["tokenize"][n].append(tc)
     docs = card["passages"]
     prep = statistics.median(res["prepare"])

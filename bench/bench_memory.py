@@ -74,7 +74,7 @@ def run_arm(preset: str, arm: str, sets: list[str], workdir: Path, upto: str) ->
     fresh_clone(dest)
     env_extra, arm_sets = ARMS[arm]
     cmd = [".venv/bin/python", "-m", "flows.pipeline", "--upto", upto,
-           *(["--preset", preset] if preset != "tiny" else []), *[a for s in sets + arm_sets for a in ("--set", s)]]
+           "--preset", preset, *[a for s in sets + arm_sets for a in ("--set", s)]]
     t0 = time.time()
     with open(dest / "pipeline.log", "w") as log:
         subprocess.run(cmd, cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True,
@@ -169,7 +169,7 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny", help="tiny (params.yaml as is) or a params/ preset")
+    ap.add_argument("--preset", default="tiny", help="a params/ preset: tiny, small or paper")
     ap.add_argument("--steps", type=int, default=2000, help="steps of every loop but REALM's own training; 0: the preset's")
     ap.add_argument("--realm-steps", type=int, default=None, help="REALM's training steps (default: --steps)")
     ap.add_argument("--upto", default="finetune_reader@realm", choices=STAGES[2:], help="the last stage run")

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         return None
     ws = fresh_clone(a.workdir / a.stage.replace("@", "-"))
     sets = [f"{k}={a.steps}" for k in STEP_KEYS[a.stage]] + ["tracking.log_every=1", "finetune.train_sizes=[all]"]
-    subprocess.run([".venv/bin/python", "-m", "flows.pipeline", "--upto", UPTO[a.stage],
+    subprocess.run([".venv/bin/python", "-m", "flows.pipeline", "--upto", UPTO[a.stage], "--preset", "tiny",
                     *[x for s in sets for x in ("--set", s)]], cwd=ws, check=True)
     raw = ws / "residual.json"
     subprocess.run(["scripts/py", "-m", "bench.bench_memory_residual", "--stage", a.stage, "--steps", str(a.steps),

@@ -1,6 +1,6 @@
 """Where a REALM train step goes, and what hard negatives cost a DPR fine-tuning step.
 
-    .venv/bin/python bench/bench_step_parts.py                      # tiny shapes (params.yaml), ~1 min on 2 cores
+    .venv/bin/python bench/bench_step_parts.py                      # tiny shapes (params/tiny.yaml), ~1 min on 2 cores
     .venv/bin/python bench/bench_step_parts.py --shape base --steps 3   # BERT-base shapes (slow on CPU)
 
 REALM (`components.models.realm.REALM`, the model the stage trains), one step split into:
@@ -44,7 +44,7 @@ from components.models.retriever import Retriever  # noqa: E402
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 SHAPES = {
-    # params.yaml: the tiny encoder; realm.{query_len, block_len, top_k, retriever_dim}, realm.train.batch_size;
+    # params/tiny.yaml: the tiny encoder; realm.{query_len, block_len, top_k, retriever_dim}, realm.train.batch_size;
     # finetune.{query_len, passage_len}, finetune.train.batch_size
     "tiny": dict(hidden=128, layers=2, heads=2, inter=512, vocab=4000, realm_batch=8, top_k=8, query_len=48, block_len=80,
                  dim=128, dpr_batch=16, dpr_query_len=32, dpr_passage_len=80, steps=20, warmup=3),
@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--blocks", type=int, default=100_000, help="random block vectors in the REALM index")
-    ap.add_argument("--hard-negatives", type=int, default=1, help="params.yaml finetune.hard_negatives")
+    ap.add_argument("--hard-negatives", type=int, default=1, help="params/tiny.yaml's finetune.hard_negatives (the default's is 0)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or torch.get_num_threads())
     ap.add_argument("--out", default=str(ROOT / "bench/results/step_parts.json"))
     args = ap.parse_args()

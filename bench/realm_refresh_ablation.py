@@ -2,7 +2,7 @@
 vs never (`refresh_every: 0`), same seed, steps and everything else. Method and what each number
 means: docs/experiments/realm_refresh_ablation.md; the latest results: docs/results.md.
 
-    .venv/bin/dvc repro pretrain_retromae            # once: data/tokens + models/retromae (tiny preset)
+    .venv/bin/python -m flows.pipeline --preset tiny --upto pretrain_retromae   # once: data/tokens + models/retromae
     .venv/bin/python -m bench.realm_refresh_ablation  # ~2 x the stage's time; writes bench/results/realm_ablation.json
     .venv/bin/python -m bench.realm_refresh_ablation --workspace /path/with/data_and_models --set realm.train.max_steps=80
 """
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workspace", type=Path, default=Path.cwd(), help="folder with data/tokens, data/corpus, models/retromae")
     ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
+    ap.add_argument("--preset", type=Path, default=ROOT / "params" / "tiny.yaml",
+                    help="preset merged over --params (the tiny synthetic world); '' for none")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (both arms)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--arm", choices=["both", "refreshed", "never"], default="both", help="run one arm only (exploring)")
@@ -88,21 +90,22 @@ def main(argv: list[str] | None = None) -> dict:
     ws = args.workspace.resolve()
     for need in ("data/tokens/blocks", "models/retromae/encoder"):
         if not (ws / need).exists():
-            sys.exit(f"{ws / need} missing: run `.venv/bin/dvc repro pretrain_retromae` there first (or pass --workspace)")
+            sys.exit(f"{ws / need} missing: run `.venv/bin/python -m flows.pipeline --preset tiny --upto pretrain_retromae` there first (or pass --workspace)")
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    presets = [args.preset] if str(args.preset) not in ("", ".") else []
     # sync: each refresh lands at its own step boundary, so the two arms differ only in the cadence
     base = {**overrides, "realm.refresh_mode": "sync"}
-    cadence = load_params(args.params, overrides=base).realm.refresh_every
+    cadence = load_params(args.params, presets=presets, overrides=base).realm.refresh_every
     if cadence == 0:
         sys.exit("realm.refresh_every is 0 in the params: nothing to compare against never refreshing")
     refreshed, never = (f"refresh_every_{cadence}", base), ("never_refresh", {**base, "realm.refresh_every": 0})
     arms = dict({"both": [refreshed, never], "refreshed": [refreshed], "never": [never]}[args.arm])
     results = {}
     for name, ov in arms.items():
-        params = load_params(args.params, overrides=ov)
+        params = load_params(args.params, presets=presets, overrides=ov)
         s = run_arm(params, ws)
         results[name] = {"refresh_every": params.realm.refresh_every, **{k: s.get(k) for k in KEYS}, "wall_s": s["wall_s"]}
-    p = load_params(args.params, overrides=base)
+    p = load_params(args.params, presets=presets, overrides=base)
     out = {"k": p.realm.staleness_k, "seed": p.compute.seed, "max_steps": p.realm.train.max_steps,
            "retriever_init": p.realm.retriever_init, "lr": p.realm.train.lr, "overrides": overrides, "arms": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 PARAMS_FILE = "params.yaml"
-TINY_FILE = Path(__file__).resolve().parents[1] / PARAMS_FILE  # the repo's params.yaml: the tiny values
+DEFAULT_FILE = Path(__file__).resolve().parents[1] / PARAMS_FILE  # the repo's params.yaml: the default's values
 ENV_PRESETS = "RETRO_REALM_PRESETS"  # refused: a preset merged at load time is invisible to DVC
 
 
@@ -39,8 +39,8 @@ class ParamsError(ValueError):
 
 
 @lru_cache(maxsize=1)
-def _tiny() -> dict:
-    return _read_yaml(TINY_FILE)
+def _default_params() -> dict:
+    return _read_yaml(DEFAULT_FILE)
 
 
 class _Section(BaseModel):
@@ -54,7 +54,7 @@ class _Section(BaseModel):
     def _fill_from_params_yaml(cls, data: Any, info: ValidationInfo) -> Any:
         if cls.defaults_from is None or (info.context or {}).get("strict") or not isinstance(data, dict):
             return data
-        section: Any = _tiny()
+        section: Any = _default_params()
         for key in filter(None, cls.defaults_from.split(".")):
             section = section.get(key, {}) if isinstance(section, dict) else {}
         return {**section, **data}
@@ -143,7 +143,8 @@ class EncoderParams(_Section):
     num_heads: int = Field(ge=1)
     intermediate_size: int = Field(ge=8)
     max_position: int = Field(ge=8)
-    # 0: with dropout a 2-layer, 128-wide encoder does not learn as a dual encoder (BERT's 0.1: params/paper.yaml)
+    # the default's 0.1 is MiniLM's (and BERT's) own; params/tiny.yaml's 0: with dropout its 2-layer, 128-wide encoder
+    # does not learn as a dual encoder
     dropout: float = Field(ge=0.0, lt=1.0)
 
     @model_validator(mode="after")
@@ -449,7 +450,8 @@ class FinetuneParams(_Section):
     span_hidden: int = Field(ge=1, description="hidden units of the mlp span scorer")
     span_softmax: Literal["per_block", "joint"] = Field(description="per_block: p(z|x) p(s|x,z); joint: one "
                                                         "softmax over every (block, span) with the retrieval score added")
-    # a tiny encoder trained for tens of steps needs far higher rates than BERT-base's 2e-5 / 1e-5 (paper.yaml)
+    # the default's warm-started MiniLM trains at BERT-scale rates; params/tiny.yaml's encoder built from config, trained
+    # for tens of steps, needs far higher ones
     train: TrainParams
     qa_train: TrainParams
 
@@ -558,7 +560,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
             allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
             msg = f"unknown key; allowed keys here: {allowed}"
         elif e["type"] == "missing":
-            msg = f"missing; {PARAMS_FILE} spells out every knob (the repo's {PARAMS_FILE} has each one with its tiny value)"
+            msg = f"missing; {PARAMS_FILE} spells out every knob (the repo's {PARAMS_FILE} has each one with the default's value)"
         elif e["type"] == "literal_error":
             msg = f"{msg} (got {e.get('input')!r})"
         elif "input" in e and not isinstance(e["input"], dict):

@@ -2,7 +2,7 @@
 stage by stage, then `dvc exp save` when params were set.
 
     python -m flows.pipeline                                   # the README's main job (`make run`)
-    python -m flows.pipeline --preset paper                    # params/paper.yaml written into params.yaml
+    python -m flows.pipeline --preset paper                    # params/paper.yaml written into params.yaml (or tiny, small)
     python -m flows.pipeline --set retromae.train.max_steps=200 --name steps200
     prefect deployment run retro-realm/pipeline -p overrides='{"retromae.train.max_steps": 200}'
     prefect deployment run retro-realm/pipeline -p upto=pretrain_realm -p push=true
@@ -364,7 +364,7 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
              name: str | None = None, concurrency: int = 1) -> dict[str, str]:
     """Run the DAG.
 
-    preset:    a params/ preset (`paper`, `small`) written into params.yaml first, as `-S` overrides.
+    preset:    a params/ preset (`tiny`, `small`, `paper`) written into params.yaml first, as `-S` overrides.
     overrides: dotted params written into params.yaml after it (as `dvc exp run -S`).
     name:      the experiment's name for `dvc exp save` (saved whenever params were set, or named).
     target:    force this stage and rerun everything downstream of it.
@@ -429,7 +429,7 @@ def _parse_set(items: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (repeatable), like dvc exp run -S")
-    ap.add_argument("--preset", help="a params/ preset written into params.yaml first: paper, small, or a path")
+    ap.add_argument("--preset", help="a params/ preset written into params.yaml first: tiny, small, paper, or a path")
     ap.add_argument("--name", help="experiment name for dvc exp save (saved whenever params are set)")
     groups = ", ".join(STAGES)
     ap.add_argument("--target", help=f"rerun this stage and what depends on it ({groups}, or one <group>@<item>)")

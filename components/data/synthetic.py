@@ -1,4 +1,5 @@
-"""The synthetic "fact world": a deterministic corpus + questions, the default data source and test fixture.
+"""The synthetic "fact world": a deterministic corpus + questions, the tiny preset's data source and the tests'
+fixture.
 
 Fictional entities (people, towns, companies, rivers) with made-up pronounceable names have
 `attributes_per_entity` facts each. Every entity gets `docs_per_entity` passages that state a subset of

@@ -59,7 +59,7 @@ def title_line(params: Params) -> str:
         world = " on a synthetic world" if params.data.source == "synthetic" else ""
         banner = ("" if params.warm_start.path is not None else
                   f"tiny preset: a smoke test{world}, encoders trained from scratch (warm_start.path: null); "
-                  "see README for the `small` run")
+                  "the default `make run` trains on real text")
     return f"{banner} | evaluate.split: {ev.split}" if banner else f"evaluate.split: {ev.split}"
 
 
