@@ -429,7 +429,7 @@ def _parse_set(items: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (repeatable), like dvc exp run -S")
-    ap.add_argument("--preset", help="a params/ preset written into params.yaml first: tiny, small, paper, or a path")
+    ap.add_argument("--preset", help="a params/ preset written into params.yaml first: tiny, small, paper, or a path; default: back to params.yaml as committed")
     ap.add_argument("--name", help="experiment name for dvc exp save (saved whenever params are set)")
     groups = ", ".join(STAGES)
     ap.add_argument("--target", help=f"rerun this stage and what depends on it ({groups}, or one <group>@<item>)")
