@@ -18,6 +18,8 @@ from typing import Callable
 
 from components.tracking_server import mlflow_client, tracking_uri
 
+log = logging.getLogger(__name__)
+
 # MLflow refuses a metric name with any other character; a row name such as `ft:retromae@32` (a
 # point of the label-efficiency curve) becomes `ft:retromae_at_32`, anything else not allowed `_`.
 _NOT_IN_METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-. :/]")
@@ -26,8 +28,6 @@ _NOT_IN_METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-. :/]")
 def metric_key(key: str) -> str:
     """`key` as a name MLflow accepts (alphanumerics, `_ - . : /` and spaces)."""
     return _NOT_IN_METRIC_NAME.sub("_", key.replace("@", "_at_"))
-
-log = logging.getLogger(__name__)
 
 
 class MetricBuffer:
