@@ -55,15 +55,15 @@ def preset_overrides(preset: str) -> dict[str, Any]:
     if not path.is_file():
         have = sorted(f.stem for f in PRESETS_DIR.glob("*.yaml"))
         raise ParamsError(f"preset {preset!r}: {path} not found (presets: {have})")
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return _leaves(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
 
-    def leaves(node: dict, prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
 
-    return leaves(raw)
+def _leaves(node: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested params dict as its dotted keys: `{"a": {"b": 1}}` -> `{"a.b": 1}`."""
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def _committed_params() -> dict | None:
@@ -86,16 +86,9 @@ def preset_switch(preset: str) -> dict[str, Any]:
         log.warning("--preset %s: not a git checkout, so the keys other presets set keep their current values", preset)
         return own
     named = set().union(*(preset_overrides(str(f)).keys() for f in sorted(PRESETS_DIR.glob("*.yaml"))))
-    reset = {key: value for key in sorted(named - own.keys()) for found, value in [_lookup(base, key)] if found}
+    committed = _leaves(base)
+    reset = {key: committed[key] for key in sorted(named - own.keys()) if key in committed}
     return {**reset, **own}
-
-
-def _lookup(tree: dict, key: str) -> tuple[bool, Any]:
-    """(found, value) of a dotted key in a nested dict."""
-    *parents, leaf = key.split(".")
-    for part in parents:
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return (True, tree[leaf]) if isinstance(tree, dict) and leaf in tree else (False, None)
 
 
 def _hydra_value(v: Any) -> str:

@@ -178,10 +178,15 @@ def embed_blocks(
     seconds = clock.elapsed()
     if not chunks:
         raise ValueError("no blocks to embed")
-    sorted_emb = np.concatenate(chunks, axis=0)  # (N, d), row i is blocks[order[i]]
-    emb = np.empty_like(sorted_emb)
-    emb[order] = sorted_emb  # (N, d) back in the caller's order
+    emb = unsort_rows(np.concatenate(chunks, axis=0), order)  # (N, d) back in the caller's order
     return emb, embed_stats(emb.shape[0], n_tokens, emb.shape[1], seconds)
+
+
+def unsort_rows(rows: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Undo `take_rows(blocks, order)`: row i of `rows` belongs at position `order[i]`."""
+    out = np.empty_like(rows)
+    out[order] = rows
+    return out
 
 
 def embed_stats(n_blocks: int, n_tokens: int, dim: int, seconds: float) -> dict:

@@ -124,7 +124,7 @@ def embed_sharded(
 ) -> tuple[np.ndarray, dict]:
     """This rank's shard through `refresh.embed_blocks`, then the all-gather -> (N, d) on every
     rank, in block order. The shards are cut from the length order (`refresh.length_order`), which
-    the shard's own `embed_blocks` keeps as it is (already sorted). Stats as `embed_blocks`'s, for
+    the shard's own `embed_blocks` takes as given (`length=None`). Stats as `embed_blocks`'s, for
     the whole corpus (`seconds`: embed + gather wall time) plus `shard_blocks`, `shard_seconds`
     (this rank's embed alone) and `world_size`."""
     group = groups.gather
@@ -137,7 +137,7 @@ def embed_sharded(
         order = refresh_lib.length_order(blocks)  # (N,) the same on every rank
         if stop > start:
             local, st = refresh_lib.embed_blocks(encode_fn, refresh_lib.take_rows(blocks, order[start:stop]), batch_size,
-                                                 collate, progress=False)
+                                                 collate, progress=False, length=None)  # already in length order
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have been told
         err = e
     shard_seconds = time.perf_counter() - t0
@@ -147,8 +147,7 @@ def embed_sharded(
     if n_ok != ws:
         raise RuntimeError(f"refresh: the embed failed on {ws - n_ok} other rank(s); keeping the old index")
     by_length = gather_rows(local if local is not None else np.zeros((0, d), np.float32), counts, group)  # (N, d)
-    emb = np.empty_like(by_length)
-    emb[order] = by_length  # (N, d) in block order
+    emb = refresh_lib.unsort_rows(by_length, order)  # (N, d) in block order
     seconds = time.perf_counter() - t0
     return emb, {**refresh_lib.embed_stats(n, n_tokens, d, seconds),
                  "shard_blocks": stop - start, "shard_seconds": shard_seconds, "world_size": ws}
