@@ -2,7 +2,7 @@
 the whole pipeline once per seed, then every paper comparison per seed and pooled over (seed, query) pairs.
 
     python -m bench.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min to ~2 h each)
-    python -m bench.small_seeds --preset default --seeds 0 1 --split dev   # the default (minutes per seed)
+    python -m bench.small_seeds --preset default --seeds 0 1 --split dev   # the default (~33 min per seed in bf16)
     python -m bench.small_seeds --collect bench/results/small_seeds/seed0.json.gz /tmp/small_seeds/seed1   # tables only
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
