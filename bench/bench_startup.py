@@ -13,6 +13,10 @@ Then, in every round, both workspaces in alternating order (A B, B A, ...), each
   noop      `dvc repro <stage>` with nothing changed
   import    `python -c "import flows.<stage>"`
 
+`--warm` adds a third arm, `warm`: the candidate workspace with a stage server running in it
+(flows/stage_server.py, as `flows.pipeline` starts one), so `stage` and `repro` fork from a process
+that has the libraries imported (`noop` and `import` do not start a stage: the same as cold).
+
 Wall seconds and CPU seconds (user + sys of the child processes, less sensitive to other jobs on
 the machine) per measure; medians, the spread (min-max), and the candidate / baseline ratio of
 medians plus the median of per-round paired ratios (the pairs share the machine's load).
@@ -86,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "(default: where HEAD left main, `git merge-base HEAD main`)")
     ap.add_argument("--stage", default="tokenize", choices=["prepare_corpus", "tokenize"])
     ap.add_argument("-n", "--rounds", type=int, default=5)
+    ap.add_argument("--warm", action="store_true", help="also time the candidate with a stage server (arm `warm`)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/startup.json"))
     args = ap.parse_args(argv)
 
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="rr-bench-startup-"))
     res: dict = {"args": vars(args), "commits": {"baseline": base, "candidate": head},
                  "env": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "loadavg_start": os.getloadavg()}}
-    samples = {v: {f"{m}_{k}": [] for m in MEASURES for k in ("wall", "cpu")} for v in ("baseline", "candidate")}
+    arms = ("baseline", "candidate", *(("warm",) if args.warm else ()))
+    samples = {v: {f"{m}_{k}": [] for m in MEASURES for k in ("wall", "cpu")} for v in arms}
 
     s3 = S3Server(tmp / "s3").start()
     mlflow = MLflowServer(tmp / "mlflow", s3=s3).start()
@@ -104,6 +110,18 @@ def main(argv: list[str] | None = None) -> dict:
         env = _env({**prefect.env, **mlflow.env, "MLFLOW_TRACKING_URI": mlflow.url, "RR_PARENT_RUN_ID": ""})
         spaces = {"baseline": workspace(tmp, "baseline", base, args.stage, env),
                   "candidate": workspace(tmp, "candidate", None, args.stage, env)}
+        envs = {"baseline": env, "candidate": env}
+        if args.warm:
+            from flows.stage_server import stage_server
+
+            spaces["warm"] = spaces["candidate"]
+            cwd = os.getcwd()
+            os.chdir(spaces["warm"])  # the server runs in the workspace, as the pipeline's does
+            server = stage_server(env)
+            envs["warm"] = {**env, "RR_STAGE_SERVER": server.__enter__()}
+            os.chdir(cwd)
+            while not Path(envs["warm"]["RR_STAGE_SERVER"]).exists():  # its imports, once per pipeline run
+                time.sleep(0.2)
 
         from components.config import load_params
         from components.data.prepare import prepare_corpus
@@ -121,10 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "noop": [sys.executable, "-m", "dvc", "repro", args.stage],
                     "import": [sys.executable, "-c", f"import flows.{args.stage}"]}
         for i in range(args.rounds):
-            order = ["baseline", "candidate"] if i % 2 == 0 else ["candidate", "baseline"]
+            order = list(arms) if i % 2 == 0 else list(reversed(arms))
             for m, cmd in commands.items():
                 for v in order:
-                    wall, cpu, out = timed(cmd, spaces[v], env)
+                    wall, cpu, out = timed(cmd, spaces[v], envs[v])
                     if m == "noop":
                         assert "didn't change" in out or "up to date" in out, out[-500:]
                     samples[v][f"{m}_wall"].append(wall)
@@ -133,9 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
             body(tmp / f"body-{i}")
             bodies.append(time.perf_counter() - t0)
             print(f"round {i + 1}/{args.rounds} ({' then '.join(order)}): " + "  ".join(
-                f"{m} {samples['baseline'][m + '_wall'][-1]:.2f}/{samples['candidate'][m + '_wall'][-1]:.2f}" for m in MEASURES)
+                f"{m} " + "/".join(f"{samples[v][m + '_wall'][-1]:.2f}" for v in arms) for m in MEASURES)
                   + f"  body {bodies[-1]:.3f}", flush=True)
     finally:
+        if args.warm:
+            server.__exit__(None, None, None)
         prefect.stop()
         mlflow.stop()
         s3.persist = False
@@ -151,6 +171,11 @@ def main(argv: list[str] | None = None) -> dict:
                     "paired_ratio": round(statistics.median(y / x for x, y in zip(b, c)), 3),
                     "baseline_range": [round(min(b), 2), round(max(b), 2)],
                     "candidate_range": [round(min(c), 2), round(max(c), 2)]}
+        if args.warm:  # warm against the same checkout started cold
+            w = samples["warm"][k]
+            table[k].update({"warm": medians["warm"][k], "warm_ratio": round(medians["warm"][k] / medians["candidate"][k], 3),
+                             "warm_paired_ratio": round(statistics.median(y / x for x, y in zip(c, w)), 3),
+                             "warm_range": [round(min(w), 2), round(max(w), 2)]})
     res["samples"] = {v: {k: [round(x, 3) for x in xs] for k, xs in s.items()} for v, s in samples.items()}
     res["body_s"] = body_s
     res["table"] = table
@@ -166,6 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
     for k, row in table.items():
         print(f"{k:<14}{row['baseline']:>10.2f}{row['candidate']:>11.2f}{row['ratio']:>8.2f}{row['paired_ratio']:>8.2f}"
               f"   {row['baseline_range']} / {row['candidate_range']}")
+    if args.warm:
+        print(f"\n{'measure':<14}{'cold':>10}{'warm':>11}{'ratio':>8}{'paired':>8}   warm range")
+        for k, row in table.items():
+            print(f"{k:<14}{row['candidate']:>10.2f}{row['warm']:>11.2f}{row['warm_ratio']:>8.2f}"
+                  f"{row['warm_paired_ratio']:>8.2f}   {row['warm_range']}")
     print("fixed cost per stage (median - body), s:", json.dumps(res["fixed_cost_s"]))
     return res
 

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 ENV_PARENT = "RR_PARENT_RUN_ID"
 ENV_RUN = "MLFLOW_RUN_ID"
 ENV_FLOW_RUN = "RR_PREFECT_FLOW_RUN_ID"
+ENV_STAGE_PROCESS = "RR_STAGE_PROCESS"  # "forked": the stage server (flows/stage_server.py) started this process
 
 
 def git_state(cwd: str | os.PathLike = ".") -> dict[str, str]:
@@ -104,6 +105,7 @@ class StageRun:
                     "rr.params_digest": self.params.section_digest(*self.sections) if self.sections else self.params.section_digest()}
             if os.environ.get(ENV_FLOW_RUN):
                 tags["prefect.flow_run_id"] = os.environ[ENV_FLOW_RUN]
+            tags["rr.stage_process"] = os.environ.get(ENV_STAGE_PROCESS, "cold")  # forked from the stage server, or not
             if self.parent_run_id:
                 tags["mlflow.parentRunId"] = self.parent_run_id
             tags.update(self.extra_tags)

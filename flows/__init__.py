@@ -7,6 +7,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
+# The environment this process started with, before the defaults below: flows.stage_server
+# compares a stage's environment with its own as it started.
+START_ENV = dict(os.environ)
+
 # Offline-friendly defaults (users may override them in their environment):
 # no telemetry calls from a local Prefect server or from transformers.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -23,6 +23,7 @@ When the run includes `evaluate`, its flow run carries the eval table as the Pre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ from components.tracking import ENV_PARENT, close_run, open_parent_run
 from components.tracking_server import tracking_uri
 from flows._runtime import STAGES, local_prefect_api, prefect_tags
 from flows._stage import eval_rows, mlflow_run_url, publish_eval_artifacts
+from flows.stage_server import stage_server, stage_server_enabled
 
 PRESETS_DIR = Path("params")
 log = logging.getLogger(__name__)
@@ -354,7 +356,7 @@ def publish_eval(params, parent: str) -> None:
 @flow(name="retro-realm", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
 def pipeline(overrides: dict | None = None, target: str | None = None, only: str | None = None,
              push: bool = False, upto: str | None = None, preset: str | None = None,
-             name: str | None = None, concurrency: int = 1) -> dict[str, str]:
+             name: str | None = None, concurrency: int = 1, warm_stages: bool = True) -> dict[str, str]:
     """Run the DAG.
 
     preset:    a params/ preset (`tiny`, `small`, `paper`) written into params.yaml first, as `-S` overrides.
@@ -367,6 +369,8 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
                with `target`, the stages between the two.
     concurrency: stages run at once (1: one `dvc repro --single-item` after another, the laptop
                default); more: stages whose inputs are ready run side by side (`run_concurrently`).
+    warm_stages: fork each stage process from one warm process that has the stages' libraries
+               imported (flows/stage_server.py; Linux, more than one stage, RR_STAGE_SERVER not off).
     """
     if concurrency < 1 or concurrency > 8:
         raise ValueError(f"concurrency={concurrency}: 1 (one stage at a time) to 8")
@@ -382,11 +386,13 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
     result: dict[str, str] = {}
     try:
         forced = {s for s in stages if target and (s == target or s.startswith(f"{target}@"))}
-        if concurrency == 1:
-            for stage in stages:
-                result[stage] = repro_stage(stage, force=stage in forced)
-        else:
-            result = run_concurrently(stages, concurrency, forced)
+        warm = warm_stages and len(stages) > 1 and stage_server_enabled()
+        with stage_server(dvc_env()) if warm else contextlib.nullcontext():
+            if concurrency == 1:
+                for stage in stages:
+                    result[stage] = repro_stage(stage, force=stage in forced)
+            else:
+                result = run_concurrently(stages, concurrency, forced)
         if changes or name:
             if missing := missing_outputs():
                 get_run_logger().warning(
@@ -430,10 +436,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--upto", help="run this stage and what it depends on, nothing downstream")
     ap.add_argument("--push", action="store_true", help="dvc push after a successful run")
     ap.add_argument("--concurrency", type=int, default=1, help="stages run at once when their inputs are ready (default 1)")
+    ap.add_argument("--no-warm-stages", dest="warm_stages", action="store_false",
+                    help="start every stage process cold, not forked from the stage server (flows/stage_server.py)")
     args = ap.parse_args(argv)
     with local_prefect_api():
         pipeline(overrides=_parse_set(args.set) or None, target=args.target, only=args.only, push=args.push, upto=args.upto,
-                 preset=args.preset, name=args.name, concurrency=args.concurrency)
+                 preset=args.preset, name=args.name, concurrency=args.concurrency, warm_stages=args.warm_stages)
 
 
 if __name__ == "__main__":

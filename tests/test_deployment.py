@@ -452,6 +452,10 @@ def test_deployment_runs_pipeline_tracks_in_mlflow_s3_and_round_trips_dvc_remote
         assert run.data.tags.get("prefect.flow_run_id"), stage  # each stage is its own Prefect flow run
         arts = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert STAGE_ARTIFACTS.get(stage, set()) <= arts and arts, (stage, arts)
+    # the worker's pipeline run forks its stage processes from its stage server once that is up
+    # (flows/stage_server.py): the last stage starts long after the server's imports are done
+    processes = {stage: run.data.tags.get("rr.stage_process") for stage, run in by_stage.items()}
+    assert set(processes.values()) <= {"forked", "cold"} and processes[TRACKED[-1]] == "forked", processes
 
     if "pretrain_realm@refreshed" in by_stage:
         realm = by_stage["pretrain_realm@refreshed"]

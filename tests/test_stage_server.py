@@ -1,0 +1,168 @@
+"""The stage server (flows/stage_server.py) runs a stage as `python -m MODULE` would, in a child it
+forks, and the client (flows/stage_client.py) gives DVC the same process contract: argv, cwd,
+environment, stdio, exit status and signals. Whatever it cannot serve runs cold.
+
+Real processes and a real Unix socket; the served module is a small stand-in package so that each
+test takes a second (the real stages are served in the end-to-end pipeline test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.stage_server import RUNTIME_ENV, env_difference
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIENT = ROOT / "flows" / "stage_client.py"
+
+MODULE = """
+import json, os, sys, time
+import numpy
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
+                  "stage": os.environ.get("DVC_STAGE"), "do_not_track": os.environ.get("DO_NOT_TRACK"),
+                  "rand": float(numpy.random.random()), "main": __name__}), flush=True)
+print("a line on stderr", file=sys.stderr, flush=True)
+if "--raise" in sys.argv:
+    raise ValueError("boom in the stage")
+if "--sleep" in sys.argv:
+    time.sleep(60)
+sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]) if "--exit" in sys.argv else 0)
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "hello.py").write_text(MODULE)
+    return tmp_path
+
+
+def _env(**extra) -> dict[str, str]:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "RR_PYTHON": sys.executable, "RR_ALLOCATOR": "system"}  # scripts/py's: the same for server and stages
+    return {**env, **extra}
+
+
+@pytest.fixture
+def server(workdir):
+    """A server for `pkg.*` in `workdir` (it preloads `json` and `numpy.random`: the mechanism, not the speed)."""
+    sock = workdir / "server.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "flows.stage_server", "--socket", str(sock), "--preload", "json", "numpy.random",
+                             "--modules", "pkg."], cwd=workdir, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    t0 = time.monotonic()
+    while not sock.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() - t0 < 60, "the stage server did not come up"
+        time.sleep(0.05)
+    yield proc, sock
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _client(workdir, sock, *args, env=None, **kw) -> subprocess.Popen:
+    env = env if env is not None else _env()
+    return subprocess.Popen([sys.executable, "-I", str(CLIENT), "-m", "pkg.hello", *args], cwd=workdir,
+                            env={**env, "RR_STAGE_SERVER": str(sock)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def _run(workdir, sock, *args, env=None) -> tuple[int, dict, str, int]:
+    proc = _client(workdir, sock, *args, env=env)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, json.loads(out.splitlines()[0]), err, proc.pid
+
+
+def test_a_served_stage_is_a_forked_child_with_the_clients_argv_env_stdio_and_status(workdir, server):
+    proc, sock = server
+    rc, seen, err, client_pid = _run(workdir, sock, "--item", "a b", "--exit", "3", env=_env(DVC_STAGE="tokenize"))
+    assert seen["ppid"] == proc.pid, "not served: the module did not run in a child of the server"
+    assert (rc, seen["argv"], seen["stage"], seen["main"]) == (3, ["--item", "a b", "--exit", "3"], "tokenize", "__main__")
+    assert Path(seen["cwd"]) == workdir
+    assert seen["do_not_track"] == "true"  # what importing `flows` sets, as in a fresh process
+    assert err.strip() == "a line on stderr"
+
+
+def test_each_child_draws_fresh_randomness(workdir, server):
+    _, sock = server
+    draws = {_run(workdir, sock)[1]["rand"] for _ in range(3)}
+    assert len(draws) == 3, "forked children share the server's numpy random state"
+
+
+def test_an_exception_in_the_stage_exits_1_with_its_traceback(workdir, server):
+    _, sock = server
+    rc, seen, err, _ = _run(workdir, sock, "--raise")
+    assert seen["ppid"] == server[0].pid
+    assert rc == 1 and "ValueError: boom in the stage" in err and "Traceback" in err
+
+
+def test_an_environment_the_imports_did_not_see_runs_cold(workdir, server):
+    proc, sock = server
+    rc, seen, err, client_pid = _run(workdir, sock, env=_env(OMP_NUM_THREADS="2"))
+    assert rc == 0 and seen["pid"] == client_pid and seen["ppid"] != proc.pid  # the client exec'd python -m
+    assert "differs from the server's in OMP_NUM_THREADS" in err
+
+
+def test_no_server_runs_cold(workdir):
+    rc, seen, err, client_pid = _run(workdir, workdir / "absent.sock", "--exit", "4")
+    assert (rc, seen["pid"]) == (4, client_pid)
+    assert "not ready yet" in err
+
+
+def test_a_signal_to_the_client_reaches_the_stage(workdir, server):
+    proc, sock = server
+    client = _client(workdir, sock, "--sleep")
+    seen = json.loads(client.stdout.readline())
+    assert seen["ppid"] == proc.pid
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(timeout=30) == 128 + signal.SIGTERM
+    _wait_gone(seen["pid"])
+
+
+def test_a_killed_client_takes_its_stage_down(workdir, server):
+    proc, sock = server
+    client = _client(workdir, sock, "--sleep")
+    seen = json.loads(client.stdout.readline())
+    client.kill()  # SIGKILL: no forwarding; the server sees the connection close
+    client.wait(timeout=30)
+    _wait_gone(seen["pid"])
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"stage process {pid} still runs")
+
+
+def test_scripts_py_sends_module_commands_to_the_server(workdir, server):
+    proc, sock = server
+    env = {**_env(), "RR_STAGE_SERVER": str(sock)}
+    out = subprocess.run([str(ROOT / "scripts" / "py"), "-m", "pkg.hello"], cwd=workdir, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[0])["ppid"] == proc.pid, out.stderr
+    off = subprocess.run([str(ROOT / "scripts" / "py"), "-m", "pkg.hello"], cwd=workdir,
+                         env={**env, "RR_STAGE_SERVER": "off"}, capture_output=True, text=True, timeout=60)
+    assert json.loads(off.stdout.splitlines()[0])["ppid"] != proc.pid
+
+
+def test_env_difference_ignores_what_is_read_at_run_time_only():
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    runtime = {k: "x" for k in RUNTIME_ENV} | {"DVC_ROOT": "/r", "DVC_STAGE": "s"}
+    assert env_difference(base, {**base, **runtime}) == []
+    assert env_difference(base, {**base, "OMP_NUM_THREADS": "2", "PREFECT_API_URL": "u"}) == ["OMP_NUM_THREADS", "PREFECT_API_URL"]
+    assert env_difference(base, {"PATH": "/bin"}) == ["OMP_NUM_THREADS"]
