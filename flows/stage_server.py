@@ -14,7 +14,7 @@ DVC still runs, hashes and records every stage: only the interpreter start is sh
     python -m flows.stage_server --socket /tmp/rr.sock    # by hand
 
 Fork is safe here because the server never runs a torch op, opens no client and starts no thread
-before it forks (it checks that it has one OS thread, or refuses). A request is refused, and the
+before it forks (it checks its OS threads, or refuses: `unsafe_threads`). A request is refused, and the
 client runs the stage cold, when the server cannot reproduce a fresh process: another working
 directory, or an environment that differs from the server's in any variable but those read only
 at run time (`RUNTIME_ENV`): libraries read theirs at import (OMP_NUM_THREADS, PREFECT_*, ...).
@@ -68,12 +68,31 @@ def env_difference(server: dict[str, str], request: dict[str, str]) -> list[str]
                   and k not in RUNTIME_ENV and not k.startswith(RUNTIME_ENV_PREFIXES))
 
 
-def os_threads() -> int:
-    """This process's OS threads (Linux): Python threads and native ones (OpenMP, ...)."""
+# Native threads that a fork may leave behind: pyarrow's jemalloc (imported by datasets) purges
+# in a background thread and takes every allocator lock around a fork (pthread_atfork), so the
+# child's allocator is consistent and restarts its own thread when it needs one.
+FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
+
+
+def unsafe_threads() -> list[str]:
+    """This process's OS threads other than the main one and FORK_SAFE_THREADS (Linux): Python
+    threads and native ones (OpenMP, ...), by name."""
+    names = []
     try:
-        return len(os.listdir("/proc/self/task"))
+        tasks = sorted(os.listdir("/proc/self/task"), key=int)
     except OSError:
-        return 1
+        return []
+    for tid in tasks:
+        if int(tid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as f:
+                name = f.read().strip()
+        except OSError:  # it ended meanwhile
+            continue
+        if name not in FORK_SAFE_THREADS:
+            names.append(name)
+    return names
 
 
 def refusal(request: dict, cwd: str, env: dict[str, str], modules: tuple[str, ...] = MODULE_PREFIXES) -> str | None:
@@ -86,8 +105,8 @@ def refusal(request: dict, cwd: str, env: dict[str, str], modules: tuple[str, ..
         return f"the stage runs in {request.get('cwd')}, the server in {cwd}"
     if diff := env_difference(env, request.get("env", {})):
         return f"the environment differs from the server's in {', '.join(diff[:8])}"
-    if (n := os_threads()) != 1:
-        return f"the server has {n} threads, so a fork would not be safe"
+    if threads := unsafe_threads():
+        return f"the server runs threads ({', '.join(threads[:4])}), so a fork would not be safe"
     return None
 
 

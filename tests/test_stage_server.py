@@ -166,3 +166,33 @@ def test_env_difference_ignores_what_is_read_at_run_time_only():
     assert env_difference(base, {**base, **runtime}) == []
     assert env_difference(base, {**base, "OMP_NUM_THREADS": "2", "PREFECT_API_URL": "u"}) == ["OMP_NUM_THREADS", "PREFECT_API_URL"]
     assert env_difference(base, {"PATH": "/bin"}) == ["OMP_NUM_THREADS"]
+
+
+def test_a_server_that_runs_a_thread_refuses_to_fork(workdir):
+    """A fork copies only the forking thread: a lock another thread held stays locked in the child.
+    A server whose imports started a thread (here: one that never ends) runs every stage cold."""
+    sock = workdir / "threaded.sock"
+    (workdir / "spawner.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.stage_server", "--socket", str(sock), "--preload", "spawner",
+                             "--modules", "pkg."], cwd=workdir, env={**_env(), "PYTHONPATH": f"{ROOT}:{workdir}"})
+    try:
+        t0 = time.monotonic()
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 60
+            time.sleep(0.05)
+        rc, seen, err, client_pid = _run(workdir, sock, env={**_env(), "PYTHONPATH": f"{ROOT}:{workdir}"})
+        assert rc == 0 and seen["pid"] == client_pid
+        assert "runs threads" in err
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_datasets_leaves_only_fork_safe_threads():
+    """The stages' real libraries: importing them leaves no thread that would make the server refuse
+    (pyarrow's jemalloc purger is the one named exception)."""
+    code = ("import datasets, torch, transformers, mlflow, prefect\n"
+            "from flows.stage_server import unsafe_threads\nprint(unsafe_threads())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
