@@ -52,6 +52,9 @@ RUNTIME_ENV_PREFIXES = ("DVC_",)  # DVC_ROOT, DVC_STAGE: set by `dvc repro` for 
 # What the stages import at their module level or in their bodies; a missing one is skipped.
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.bert.modeling_bert", "datasets", "faiss",
            "mlflow", "mlflow.tracking", "prefect", "spacy", "flows", "flows._stage", "flows._torchrun",
+           # logging a stage's models (flows/_stage.log_model): ~5 s of imports in every training stage
+           "pandas", "sentence_transformers", "mlflow.models", "mlflow.pyfunc", "mlflow.sentence_transformers",
+           "mlflow.transformers",
            "flows.prepare_corpus", "flows.tokenize", "flows.pretrain_retromae", "flows.pretrain_mlm",
            "flows.pretrain_realm", "flows.finetune_retriever", "flows.finetune_reader", "flows.evaluate",
            "components.data.source_digest")
