@@ -30,7 +30,7 @@ from components.eval.realm_probes import answer_blocks, heldout_probes, probe_re
 from components.index.faiss_index import BlockIndex, IndexStore
 from components.models.realm import REALM
 from components.models.retriever import Retriever
-from components.stages.common import checkpoint_dir
+from components.stages.pretrain_realm import checkpoint_root
 from components.tracking import StageRun
 from components.training.warmups import ReaderWarmupCollator, ReaderWarmupModel, SalientSpanIndex
 from tests.conftest import ROOT, TINY, build_data_and_encoders, tiny_params
@@ -426,7 +426,7 @@ def test_resume_after_a_kill_rebuilds_from_resumed_weights_and_ignores_partial_i
         run_stage(**overrides)
     monkeypatch.setattr(REALM, "forward", real_forward)
 
-    root = checkpoint_dir("pretrain_realm", tiny_params(**overrides), ["realm", "retromae"]) / "index"
+    root = checkpoint_root(tiny_params(**overrides)) / "index"
     assert IndexStore(root).versions() == [1, 2]
     # a half-written index from the kill: a valid-looking index of the wrong dim that would break search if loaded
     BlockIndex.build(np.eye(3, dtype=np.float32), None, "flat").save(root / ".tmp-v0009")
@@ -547,7 +547,7 @@ def test_torchrun_two_ranks_build_alike_and_only_rank0_publishes(ws):
     summary = json.loads((ws / "metrics/pretrain_realm.json").read_text())
     assert summary["step"] == 4 and summary["refreshes"] == 2
     assert [(int(r["step"]), int(r["version"])) for r in plot_rows()] == [(0, 1), (2, 2), (4, 3)]
-    root = checkpoint_dir("pretrain_realm", tiny_params(**overrides), ["realm", "retromae"]) / "index"
+    root = checkpoint_root(tiny_params(**overrides)) / "index"
     assert IndexStore(root).versions() == [1, 2, 3]  # pruning keeps first + last two; no second publisher
     assert BlockIndex.load(ws / "models/realm/index/final").step == 4
     assert (ws / paths.REALM_OUT / paths.ICT_RETRIEVER / "retriever_config.json").exists()  # rank 0 kept ICT's retriever

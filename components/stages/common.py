@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from components.config import Params, load_params
-from components.io import write_json_atomic
+from components.io import tree_digest, write_json_atomic
 from components.paths import CHECKPOINTS, CORPUS, stage_metrics
 from components.training.memory import peak_rss_mb
 
@@ -27,14 +27,38 @@ def corpus_digest(corpus_dir: str | os.PathLike = CORPUS) -> str:
     return json.loads(card.read_text())["digest"] if card.exists() else "none"
 
 
-def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: str | os.PathLike = CORPUS) -> Path:
-    """`checkpoints/<stage>/<digest>`: a resume only ever continues a run with the same data and
-    params (changing either starts a fresh folder instead of resuming a stale run). `compute.nproc`
-    is left out on purpose: a run may resume on a different number of processes."""
+CODE_ROOTS = ("components", "flows")  # the project's code, under the repo root (REPO_ROOT)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def code_digest(root: Path | None = None) -> str:
+    """sha256 over every .py file of `components/` and `flows/` under `root` (default: this
+    checkout), path and bytes, in sorted order."""
+    root = REPO_ROOT if root is None else root
+    h = hashlib.sha256()
+    for top in CODE_ROOTS:
+        for f in sorted((root / top).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: str | os.PathLike = CORPUS,
+                   inputs: list[str | os.PathLike] = ()) -> Path:
+    """`checkpoints/<stage>/<digest>`: a resume only ever continues a run of the same code, params,
+    data and start. A change to any of them starts a fresh folder, so a stage that DVC reruns
+    because its code or an upstream model changed never resumes the stale run's final checkpoint.
+
+    `sections`: the params sections the stage reads; `inputs`: the folders it starts from (an
+    upstream stage's model, e.g. models/retromae/encoder), by content, so a change upstream that no
+    section of this stage names (warm_start for REALM, code, ...) still counts. The code is all of
+    `components/` and `flows/` (CODE_ROOTS): an edit anywhere invalidates an interrupted run, never a
+    finished stage (DVC decides that). `compute.nproc` is left out on purpose: a run may resume on
+    a different number of processes."""
     compute = params.compute.model_dump(mode="json")
     compute.pop("nproc", None)
+    starts = {Path(p).as_posix(): tree_digest(p)[0] for p in inputs if Path(p).exists()}
     blob = json.dumps({"params": params.section_digest(*sections, "data", "tokenize"), "compute": compute,
-                       "corpus": corpus_digest(corpus_dir)}, sort_keys=True)
+                       "corpus": corpus_digest(corpus_dir), "code": code_digest(), "inputs": starts}, sort_keys=True)
     return CHECKPOINTS / stage / hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

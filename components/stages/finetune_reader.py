@@ -28,7 +28,7 @@ from components.data.tokenize import load_tokenizer
 from components.paths import CORPUS, TOKENS, reader_out
 from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, skip_stage
 from components.training.batches import seed_everything
-from components.training.finetune import READER_SECTIONS, new_reader, qa_inputs_exist, train_gold_reader, train_reader
+from components.training.finetune import READER_SECTIONS, new_reader, qa_inputs_exist, reader_inputs, train_gold_reader, train_reader
 from components.training.trainer import prefixed
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,13 @@ def finetune_reader(params: Params, run=None, item: str | None = None) -> dict:
     log_fn = RankZeroLogger(run)
     seed_everything(params.compute.seed)  # the fresh span head: the same weights in every run of this stage
     reader = new_reader(ft, system=system)
+    starts = reader_inputs(system)  # the arm's encoder, query tower and index: an upstream change starts afresh
     reader, summary = train_gold_reader(params, tokenizer, blocks, qa, reader,
-                                        checkpoint_dir(f"finetune_qa_gold_{system}", params, READER_SECTIONS), log_fn)
+                                        checkpoint_dir(f"finetune_qa_gold_{system}", params, READER_SECTIONS, inputs=starts),
+                                        log_fn)
     model, result = train_reader(params, tokenizer, system, blocks, qa, reader,
-                                 checkpoint_dir(f"finetune_qa_{system}", params, READER_SECTIONS), prefixed(log_fn, f"qa.{system}."))
+                                 checkpoint_dir(f"finetune_qa_{system}", params, READER_SECTIONS, inputs=starts),
+                                 prefixed(log_fn, f"qa.{system}."))
     summary = {**summary, "qa_questions": len(qa), "steps": result.step, **{f"final_{k}": v for k, v in result.metrics.items()}}
     return finish_stage(stage, summary, lambda: model.save_pretrained(out, tokenizer))
 

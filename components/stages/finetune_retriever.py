@@ -44,12 +44,13 @@ def finetune_retriever(params: Params, run=None, item: str | None = None) -> dic
     corpus = load_corpus(CORPUS)
     rows = size_subset(pairs, size, params.compute.seed)
     bm25_rows = mine_bm25_negatives(rows, corpus) if ft.hard_negatives and ft.hard_negative_source == "bm25" else None
-    ckpt = checkpoint_dir(f"finetune_retrieval_{start}-{size}", params, ["finetune", "warm_start", *START_SECTIONS[start]])
+    ckpt = checkpoint_dir(f"finetune_retrieval_{start}-{size}", params, ["finetune", "warm_start", *START_SECTIONS[start]],
+                          inputs=[folder])
     log_fn = prefixed(RankZeroLogger(run), f"retrieval.{start}.")
     model, result, start_sha = train_biencoder(params, tokenizer, folder, rows, corpus, bm25_rows, ckpt, log_fn)
     log.info("%s from %s on %d questions: %s", stage, folder, len(rows), result.metrics)
     summary = {"start": str(folder), "start_sha256": start_sha, "size": str(size), "questions": len(rows),
-               "steps": result.step, **{f"final_{k}": v for k, v in result.metrics.items()}}
+               "steps": result.step, "resumed_from": result.resumed_from or 0, **{f"final_{k}": v for k, v in result.metrics.items()}}
     return finish_stage(stage, summary, lambda: model.save_pretrained(out, tokenizer, max_seq_length=ft.passage_len))
 
 

@@ -76,6 +76,14 @@ def arm_files(arm: str) -> tuple[Path, Path, Path]:
             paths.PLOTS / f"realm_refresh{suffix}.csv")
 
 
+def checkpoint_root(params: Params, arm: str = "refreshed", corpus_dir: Path = paths.CORPUS,
+                    retromae_dir: Path = paths.RETROMAE_ENCODER) -> Path:
+    """The arm's checkpoint folder (its warm-ups, training steps and index versions), keyed by the
+    realm and retromae params and by the encoder it starts from (`params`: the arm's own, `for_arm`)."""
+    return checkpoint_dir(STAGE if arm == "refreshed" else f"{STAGE}_{arm}", params, ["realm", "retromae"], corpus_dir,
+                          inputs=[retromae_dir])
+
+
 class _Recorder:
     """log_fn for the Trainer: forwards to MLflow (rank 0) and keeps the windows for the summary."""
 
@@ -176,7 +184,7 @@ def train_realm(
     blocks = datasets.load_from_disk(str(tokens_dir / "blocks"))
     block_ids = np.asarray(blocks["block_id"])
     block_doc = np.asarray(blocks["doc_id"])
-    ckpt_root = checkpoint_dir(STAGE if arm == "refreshed" else f"{STAGE}_{arm}", params, ["realm", "retromae"], corpus_dir)
+    ckpt_root = checkpoint_root(params, arm, corpus_dir, retromae_dir)
     # The process group must exist before asking for the rank (the Trainer would create it later, too late).
     rank0 = D.init_distributed(params.compute).rank == 0
     if run is not None and rank0:

@@ -51,7 +51,7 @@ START_FOLDERS = {"init": INIT_ENCODER, "mlm": MLM_ENCODER, "retromae": RETROMAE_
 # the params sections that decide a start's weights: a change there starts a fresh checkpoint folder
 START_SECTIONS = {"init": ["retromae"], "mlm": ["retromae", "mlm"], "retromae": ["retromae"],
                   "realm": ["retromae", "realm"], "pretrained": []}
-READER_SECTIONS = ["finetune", "warm_start", "realm"]  # what a reader's checkpoint folder is keyed by
+READER_SECTIONS = ["finetune", "warm_start", "realm"]  # the params a reader's checkpoint folder is keyed by (with its start: reader_inputs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,6 +106,14 @@ def reader_init_folder(system: str = "realm") -> Path:
         if (folder / "config.json").exists():
             return folder
     raise FileNotFoundError(f"no encoder to start the reader from ({arm / 'knowledge_augmented_encoder'} or {RETROMAE_ENCODER})")
+
+
+def reader_inputs(system: str) -> list[Path]:
+    """What a system's reader starts from on disk: its encoder folder and, for a dense system, its
+    REALM arm's retriever and final index (the checkpoint key's `inputs`)."""
+    arm = REALM_SYSTEM_OUT.get(system)
+    dense = [] if arm is None else [arm / "retriever", arm / "index" / "final"]
+    return [reader_init_folder(system), *dense]
 
 
 def qa_inputs_exist(system: str) -> bool:

@@ -1,0 +1,69 @@
+"""A training stage resumes only a run of the same code, params, data and start (`checkpoint_dir`).
+
+The bug this guards: a finished run's final checkpoint was keyed by params and data alone, so a
+stage that DVC reran because its start encoder (an upstream model) or the code changed "resumed" at
+its last step, trained nothing and wrote the stale model again.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from components import paths
+from components.stages import common
+from components.stages.common import checkpoint_dir, code_digest
+from tests.conftest import TINY, build_data_and_encoders, make_workspace, tiny_params
+
+
+def test_the_key_follows_the_start_folder_and_the_code(tmp_path, monkeypatch):
+    p = tiny_params()
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "weights.bin").write_bytes(b"a")
+    key = lambda: checkpoint_dir("s", p, ["finetune"], tmp_path, inputs=[start])  # noqa: E731
+    first = key()
+    assert key() == first  # same code, params, data and start: resume
+    (start / "weights.bin").write_bytes(b"b")
+    second = key()
+    assert second != first  # another start: a fresh folder
+    monkeypatch.setattr(common, "code_digest", lambda: "edited")
+    assert key() != second  # another code: a fresh folder
+    assert checkpoint_dir("s", p, ["finetune"], tmp_path, inputs=[tmp_path / "absent"]) != first
+
+
+def test_code_digest_reads_every_module_of_components_and_flows(tmp_path):
+    for top in ("components", "flows"):
+        shutil.copytree(common.REPO_ROOT / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
+    before = code_digest(tmp_path)
+    assert before == code_digest()
+    (tmp_path / "flows" / "evaluate.py").write_text((tmp_path / "flows" / "evaluate.py").read_text() + "\n# an edit\n")
+    assert code_digest(tmp_path) != before
+
+
+def test_a_rerun_after_the_start_encoder_changed_trains_instead_of_resuming(tmp_path, monkeypatch):
+    """finetune_retriever@retromae-all twice: the second time from another retromae encoder. It must
+    train again (no `resumed_from`) and write other weights."""
+    from components.stages.finetune_retriever import finetune_retriever
+
+    ws = make_workspace(tmp_path / "ws", {**TINY, "finetune.train.max_steps": 3, "finetune.retrieval_inits": ["retromae"]})
+    params = tiny_params(**{"finetune.train.max_steps": 3, "finetune.retrieval_inits": ["retromae"]})
+    build_data_and_encoders(ws, params, ("retromae/encoder",))
+    monkeypatch.chdir(ws)
+    out = paths.MODELS / "finetune" / "retriever" / "retromae-all"
+    first = finetune_retriever(params, item="retromae-all")
+    assert not first.get("resumed_from")
+    weights = lambda: load_file(str(next(out.rglob("*.safetensors"))))  # noqa: E731
+    trained = {k: v.clone() for k, v in weights().items()}
+
+    again = finetune_retriever(params, item="retromae-all")  # nothing changed: the finished run resumes
+    assert again["resumed_from"] == 3
+
+    enc = paths.RETROMAE_ENCODER / "model.safetensors"
+    state = load_file(str(enc))
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}, str(enc))  # pretrain_retromae reran
+    third = finetune_retriever(params, item="retromae-all")
+    assert not third.get("resumed_from"), third
+    assert any(not torch.equal(trained[k], v) for k, v in weights().items())
