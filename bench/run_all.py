@@ -28,7 +28,6 @@ SUITE = [
     ["bench/bench_orchestration.py", "--rounds", "2", "--api-starts", "2"],
     ["bench/bench_data.py"],
     ["bench/gpu_check.py"],  # reduced CPU form when no GPU is visible
-    ["-m", "bench.realm_toy"],
 ]
 
 
@@ -79,13 +78,6 @@ def summary() -> str:
     data = _load("data")
     rows.append(_row("data", "prepare_corpus docs/s (python docs prose)", data.get("prepare_docs_per_s"), "report", None))
     rows.append(_row("data", "tokenize tokens/s, num_proc 1 -> 2", json.dumps(data.get("tokenize_tokens_per_s")) if data else None, "report", None))
-    toy = _load("realm_toy")
-    learned, n = toy.get("seeds_reaching_recall_0.9", {}), len(toy.get("runs", {}))
-    if learned:
-        for arm in ("refresh", "never"):
-            rows.append(_row("realm_toy", f"seeds whose index in use ends above recall 0.9, {arm} (of {n})", learned.get(arm), "report", None))
-        rows.append(_row("realm_toy", "refreshed index learns in more seeds than a never-refreshed one",
-                         f"{learned.get('refresh')} vs {learned.get('never')}", "refresh > never", learned.get("refresh", 0) > learned.get("never", 0)))
     gpu = _load("gpu_check").get("train", {})
     rows.append(_row("gpu", "RetroMAE BERT-base MFU (H200, bf16)", gpu.get("mfu"), ">= 0.40", None if gpu.get("mfu") is None else gpu["mfu"] >= 0.40))
     head = ["# Benchmarks", "", "Written by `python -m bench.run_all` on " + time.strftime("%Y-%m-%d") + ". Each benchmark runs its contenders",
@@ -96,14 +88,12 @@ def summary() -> str:
     return "\n".join(head + rows) + "\n"
 
 
-# Studies too long for the suite: run by hand, findings in docs/experiments/.
+# Studies (what the models learn, not how fast) are not benchmarks: experiments/ holds them.
 STUDIES = """
-## Studies (run by hand, not by run_all)
+## Studies
 
-| study | script | results | findings |
-|---|---|---|---|
-| warm start from MiniLM: head-alone phase vs naive, RetroMAE vs MLM [CLS] on squad dev | `bench/warm_start.py` | `bench/results/warm_start*.jsonl` | [docs/experiments/warm_start.md](../docs/experiments/warm_start.md) |
-| REALM refresh vs never-refreshed index | `bench/realm_refresh_ablation.py` | `bench/results/realm_ablation.json` | [docs/experiments/realm_refresh_ablation.md](../docs/experiments/realm_refresh_ablation.md) |
+Scientific studies (run by hand, never by run_all) live in `experiments/`: [experiments/README.md](../experiments/README.md).
+A study may import a helper from here (`workspace.py`); nothing here imports a study.
 """
 
 

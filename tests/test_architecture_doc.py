@@ -143,8 +143,8 @@ _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _DOTTED = re.compile(r"`(\.\.?/[^`\s]*)`")
 
 
-# The README and every docs page: a user's clone has no ../shared and no absolute paths.
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# The READMEs and every docs page: a user's clone has no ../shared and no absolute paths.
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())

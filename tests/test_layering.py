@@ -153,6 +153,14 @@ def test_components_never_import_prefect():
     assert not bad, "components/ is a plain library; only flows/ may import prefect:\n  " + "\n  ".join(bad)
 
 
+def test_bench_never_imports_experiments():
+    """Outside the package, imports point one way too: a study in experiments/ may use a bench helper
+    (bench/workspace.py), a benchmark never reaches for a study (bench/ and experiments/ READMEs)."""
+    bad = [f"{p.relative_to(ROOT)}:{line}: `{src}`" for p in sorted((ROOT / "bench").rglob("*.py"))
+           for line, name, src in imports(p) if name.split(".")[0] == "experiments"]
+    assert not bad, "bench/ imports experiments/ (move the shared piece into bench/ or components/):\n  " + "\n  ".join(bad)
+
+
 @pytest.mark.parametrize("src, expect", [
     ("from components.stages.finetune import X\n", ["components.stages.finetune.X"]),
     ("def f():\n    import components.eval.metrics\n", ["components.eval.metrics"]),

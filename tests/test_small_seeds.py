@@ -1,4 +1,4 @@
-"""bench/small_seeds.py keeps what its p-values need: a finished seed is archived with its per-query
+"""experiments/small_seeds.py keeps what its p-values need: a finished seed is archived with its per-query
 scores, archives from different sessions pool into one test, and a hand-written summary of a lost
 workspace gives its per-seed test and stays out of the pooled one (no per-query scores to pool), which
 the seeds that kept theirs still form."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench import small_seeds
+from experiments import small_seeds
 from components.eval.comparisons import per_query_path
 from components.eval.significance import paired_test
 

@@ -1,5 +1,5 @@
 """Stages are drivers only (issue 31): what a bench or a test needs from a stage lives in the library
-(components/eval, components/training, ...), so no file under bench/ or tests/ reaches for a private
+(components/eval, components/training, ...), so no file under bench/, experiments/ or tests/ reaches for a private
 (`_`-prefixed) name of `components.stages.*`: neither `from components.stages.x import _y` nor
 `stage._y` on an imported stage module. A stage's public entry points (its body, e.g.
 `finetune_reader`) stay importable."""
@@ -41,9 +41,9 @@ def private_stage_uses(source: str, filename: str = "<src>") -> list[tuple[int, 
 
 
 def test_no_bench_or_test_uses_a_private_name_of_a_stage():
-    files = [p for folder in ("bench", "tests") for p in sorted((ROOT / folder).rglob("*.py")) if p != Path(__file__)]  # not its samples
+    files = [p for folder in ("bench", "experiments", "tests") for p in sorted((ROOT / folder).rglob("*.py")) if p != Path(__file__)]  # not its samples
     bad = [f"{p.relative_to(ROOT)}:{line}: {name}" for p in files for line, name in private_stage_uses(p.read_text(encoding="utf-8"), str(p))]
-    assert not bad, ("bench/ and tests/ use private names of stage bodies; move what they need into the library "
+    assert not bad, ("bench/, experiments/ and tests/ use private names of stage bodies; move what they need into the library "
                      "(components/eval, components/training, ...) and import it from there:\n  " + "\n  ".join(bad))
 
 

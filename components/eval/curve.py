@@ -9,7 +9,7 @@ point), the off-the-shelf reference as a flat line, and the paired tests at ever
 `size_subset` hands the trainer. `all` is `n_train`, and a size above `n_train` trains on all of
 them, so it is plotted there too. The tests are the ones `run_comparisons` ran on the per-query
 files (`paper_comparisons`): at the largest size they are the single-size rows' `ft:retromae` vs
-`ft:mlm` / `ft:init`. One workspace is one seed; bench/small_seeds.py pools the same tests over seeds.
+`ft:mlm` / `ft:init`. One workspace is one seed; experiments/small_seeds.py pools the same tests over seeds.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def comparisons_table(comparisons: Sequence[Mapping], fmt: str = "markdown", dig
 
 SIZE_TESTS_INTRO = ("Label efficiency, RetroMAE's claim (the curve: metrics/eval/label_efficiency.png): ft:retromae "
                     "against each start fine-tuned on the same questions, at every training size (paired randomisation "
-                    "test over queries; delta = mean(A - B), two-sided p; one seed, bench/small_seeds.py pools seeds)")
+                    "test over queries; delta = mean(A - B), two-sided p; one seed, experiments/small_seeds.py pools seeds)")
 
 
 def size_tests_table(tests: Sequence[Mapping], fmt: str = "markdown", digits: int = 3) -> str:

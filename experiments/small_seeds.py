@@ -1,9 +1,9 @@
 """A real-text preset's claims over seeds (`small`, or `--preset default`: params.yaml as committed):
 the whole pipeline once per seed, then every paper comparison per seed and pooled over (seed, query) pairs.
 
-    python -m bench.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min to ~2 h each)
-    python -m bench.small_seeds --preset default --seeds 0 1 --split dev   # the default (~33 min per seed in bf16)
-    python -m bench.small_seeds --collect bench/results/small_seeds/seed0.json.gz /tmp/small_seeds/seed1   # tables only
+    python -m experiments.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min to ~2 h each)
+    python -m experiments.small_seeds --preset default --seeds 0 1 --split dev   # the default (~33 min per seed in bf16)
+    python -m experiments.small_seeds --collect experiments/results/small_seeds/seed0.json.gz /tmp/small_seeds/seed1   # tables only
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
 never touched and every run is the committed code: `python -m flows.pipeline --preset small --set
@@ -11,14 +11,14 @@ compute.seed=<N> --set evaluate.split=<split>` (the preset and the overrides wri
 clone's params.yaml, so its dvc.lock records them).
 The corpus split (`data.split.seed`) stays fixed, so every seed answers the same questions.
 
-Each finished seed is archived as bench/results/<preset>_seeds/seed<N>.json.gz: its rows, its per-query
+Each finished seed is archived as experiments/results/<preset>_seeds/seed<N>.json.gz: its rows, its per-query
 scores (what every p-value is computed from), the stage wall times (from each stage's MLflow run),
 the commit and the CPU. `--collect` takes archives or workspaces, so seeds run in different sessions
 or on different machines pool into one table; a seed without per-query scores (an archive written
 by hand from a run whose workspace was lost: `"per_query": null`, its own `comparisons`) gives its
 per-seed tests, and the pooled test is left out.
 
-Writes bench/results/<preset>_seeds.json and prints Markdown for docs/results.md: per-seed rows,
+Writes experiments/results/<preset>_seeds.json and prints Markdown for docs/results.md: per-seed rows,
 stage wall times, the label-efficiency curve's per-size tests (ft:retromae@N vs ft:mlm@N and
 ft:init@N, for every size the seeds ran), and each comparison with its delta and two-sided p per seed and pooled (the
 paired randomisation test over every (seed, query) pair).
@@ -44,8 +44,8 @@ from components.eval.significance import paired_test, per_query_metric  # noqa: 
 from bench.workspace import fresh_clone  # noqa: E402
 from components.progress import format_duration  # noqa: E402
 
-RESULTS = ROOT / "bench/results/{preset}_seeds.json"
-ARCHIVE = ROOT / "bench/results/{preset}_seeds"
+RESULTS = ROOT / "experiments/results/{preset}_seeds.json"
+ARCHIVE = ROOT / "experiments/results/{preset}_seeds"
 # dvc.yaml's stages; a foreach / matrix group's time is the sum over its `<group>@<item>` stages
 STAGES = ("prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune_retriever",
           "finetune_reader", "evaluate")
@@ -106,7 +106,7 @@ def cpu_name() -> str:
 
 
 def archive(ws: Path, seed: int, preset: str = "small") -> Path:
-    """A finished workspace -> bench/results/<preset>_seeds/seed<N>.json.gz (written atomically): its
+    """A finished workspace -> experiments/results/<preset>_seeds/seed<N>.json.gz (written atomically): its
     record as `load_seed` reads it, with the seed, commit and CPU, and only the table's metrics."""
     rec = load_seed(ws)
     rec.pop("workspace")

@@ -2,10 +2,10 @@
 document that helps the reader through the marginal likelihood alone, and does refreshing the MIPS
 index matter? The world, the arms and what the runs showed: docs/experiments/realm_toy.md.
 
-    .venv/bin/python -m bench.realm_toy                    # refresh every 10 steps vs never, 4 seeds, ~2 min
-    .venv/bin/python -m bench.realm_toy --reader-steps 0   # a from-scratch reader: no signal
+    .venv/bin/python -m experiments.realm_toy                    # refresh every 10 steps vs never, 4 seeds, ~2 min
+    .venv/bin/python -m experiments.realm_toy --reader-steps 0   # a from-scratch reader: no signal
 
-Writes bench/results/realm_toy.json: per seed and arm, recall@(k-1) of the gold document under the
+Writes experiments/results/realm_toy.json: per seed and arm, recall@(k-1) of the gold document under the
 index in use and under a fresh one, masked-token accuracy and p(null), over steps.
 """
 
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--seeds", type=int, default=4, help="seeds to run (the outcome is bimodal: report how many learn)")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/realm_toy.json"))
+    ap.add_argument("--out", default=str(ROOT / "experiments/results/realm_toy.json"))
     return ap
 
 

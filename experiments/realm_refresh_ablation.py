@@ -3,8 +3,8 @@ vs never (`refresh_every: 0`), same seed, steps and everything else. Method and 
 means: docs/experiments/realm_refresh_ablation.md; the latest results: docs/results.md.
 
     .venv/bin/python -m flows.pipeline --preset tiny --upto pretrain_retromae   # once: data/tokens + models/retromae
-    .venv/bin/python -m bench.realm_refresh_ablation  # ~2 x the stage's time; writes bench/results/realm_ablation.json
-    .venv/bin/python -m bench.realm_refresh_ablation --workspace /path/with/data_and_models --set realm.train.max_steps=80
+    .venv/bin/python -m experiments.realm_refresh_ablation  # ~2 x the stage's time; writes experiments/results/realm_ablation.json
+    .venv/bin/python -m experiments.realm_refresh_ablation --workspace /path/with/data_and_models --set realm.train.max_steps=80
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench" / "results" / "realm_ablation.json"
+OUT = ROOT / "experiments" / "results" / "realm_ablation.json"
 
 # what the table reports per arm, from the stage summary
 KEYS = ["step", "eval_mlm_acc_start", "eval_mlm_acc", "eval_mlm_acc_train_index", "mlm_acc",
