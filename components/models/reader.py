@@ -86,6 +86,17 @@ SPAN_SOFTMAX = ("per_block", "joint")
 # ----------------------------------------------------------------------------------------------
 # the reader
 # ----------------------------------------------------------------------------------------------
+def length_chunks(attention_mask: torch.Tensor, chunk_rows: int) -> tuple[np.ndarray, list[tuple[np.ndarray, int]]]:
+    """(order (N,), [(row positions (n,), width)]): the rows of an (N, L) mask longest first, cut into
+    chunks of `chunk_rows`, each with its widest row's end (the last attended position + 1, so a mask
+    with a hole inside keeps the tokens after it; >= 1)."""
+    L = attention_mask.size(1)
+    ends = (attention_mask.ne(0) * torch.arange(1, L + 1, device=attention_mask.device)).amax(1).cpu().numpy()  # (N,)
+    order = longest_first(ends)
+    # longest first: a chunk's first row is its widest
+    return order, [(order[i : i + chunk_rows], max(int(ends[order[i]]), 1)) for i in range(0, len(order), chunk_rows)]
+
+
 class SpanReader(nn.Module):
     """BERT over `[CLS] x [SEP] z [SEP]` -> span scores. An HF *ForQuestionAnswering, so the saved
     folder is a standard HF QA model; its start/end head `qa_outputs` is the `linear` scorer, and
@@ -165,14 +176,11 @@ class SpanReader(nn.Module):
         reference; equal up to float noise on every valid span)."""
         if chunk_rows <= 0:
             return self._span_scores(input_ids, attention_mask, token_type_ids, max_answer_tokens)
-        N, L = input_ids.shape
-        positions = torch.arange(1, L + 1, device=attention_mask.device)
-        ends = (attention_mask.ne(0) * positions).amax(1).cpu().numpy()  # (N,) last attended position + 1
-        order = longest_first(ends)  # (N,)
+        L = input_ids.size(1)
+        order, chunks = length_chunks(attention_mask, chunk_rows)
         parts = []
-        for start in range(0, N, chunk_rows):
-            rows = torch.as_tensor(order[start : start + chunk_rows], device=input_ids.device)  # (n,)
-            width = max(int(ends[order[start]]), 1)  # longest first: the chunk's first row is its widest
+        for rows, width in chunks:
+            rows = torch.as_tensor(rows, device=input_ids.device)  # (n,)
             cut = lambda t: t[rows, :width]  # noqa: E731
             scores = self._span_scores(cut(input_ids), cut(attention_mask), cut(token_type_ids), max_answer_tokens)
             parts.append(torch.nn.functional.pad(scores, (0, 0, 0, L - width), value=NEG))  # (n, L, A)
