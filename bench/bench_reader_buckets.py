@@ -32,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_embed_sort import prepare_and_tokenize  # noqa: E402
 from bench.bench_mfu import cpu_model, git_commit  # noqa: E402
-from components.config import load_params  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 from components.training.precision import cpu_has_native_bf16  # noqa: E402
 
@@ -41,31 +41,19 @@ EVAL_BATCH = 8  # OpenQAPredictor's questions per batch
 
 
 def shipped_qa(tmp: Path, n_questions: int):
-    """The default's blocks, tokenizer and the first `n_questions` of the evaluated split with their BM25 top k,
-    through prepare_corpus + tokenize_corpus."""
+    """The default's blocks, tokenizer and the first `n_questions` of the evaluated split with their BM25
+    top k (and 64 training questions with theirs)."""
     import datasets
 
     from components.data.finetune_data import load_qa
-    from components.data.prepare import prepare_corpus
-    from components.data.tokenize import load_tokenizer, tokenize_corpus
-    from components.models.encoder import warm_start_path
+    from components.data.tokenize import load_tokenizer
     from components.retrieval.search import bm25_qa_blocks
 
-    p = load_params(ROOT / "params.yaml")
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # data.path is relative to the repo root
-    try:
-        prepare_corpus(p.data, tmp / "corpus")
-    finally:
-        os.chdir(cwd)
-    warm = warm_start_path(p)
-    tokenize_corpus(p.tokenize, tmp / "corpus", tmp / "tokens", warm_start=warm)
-    blocks = datasets.load_from_disk(str(tmp / "tokens" / "blocks"))
-    blocks = [dict(r) for r in blocks]  # in memory: the bench times the reader, not Arrow reads
-    qa = load_qa(tmp / "corpus", p.evaluate.split)
-    train = load_qa(tmp / "corpus", "train")
-    rows = bm25_qa_blocks(qa[:n_questions], p.finetune.qa_top_k, block_texts=[b["text"] for b in blocks])
-    train_rows = bm25_qa_blocks(train[:64], p.finetune.qa_top_k, block_texts=[b["text"] for b in blocks])
+    p, warm = prepare_and_tokenize(tmp, [])
+    blocks = [dict(r) for r in datasets.load_from_disk(str(tmp / "tokens" / "blocks"))]  # in memory: time the reader, not Arrow
+    texts = [b["text"] for b in blocks]
+    rows = bm25_qa_blocks(load_qa(tmp / "corpus", p.evaluate.split)[:n_questions], p.finetune.qa_top_k, block_texts=texts)
+    train_rows = bm25_qa_blocks(load_qa(tmp / "corpus", "train")[:64], p.finetune.qa_top_k, block_texts=texts)
     return p, warm, blocks, rows, train_rows, load_tokenizer(tmp / "tokens" / "tokenizer")
 
 

@@ -89,11 +89,10 @@ SPAN_SOFTMAX = ("per_block", "joint")
 def length_chunks(attention_mask: torch.Tensor, chunk_rows: int) -> tuple[np.ndarray, list[tuple[np.ndarray, int]]]:
     """(order (N,), [(row positions (n,), width)]): the rows of an (N, L) mask longest first, cut into
     chunks of `chunk_rows`, each with its widest row's end (the last attended position + 1, so a mask
-    with a hole inside keeps the tokens after it; >= 1)."""
+    with a hole inside keeps the tokens after it; >= 1). Longest first, a chunk's first row is its widest."""
     L = attention_mask.size(1)
     ends = (attention_mask.ne(0) * torch.arange(1, L + 1, device=attention_mask.device)).amax(1).cpu().numpy()  # (N,)
     order = longest_first(ends)
-    # longest first: a chunk's first row is its widest
     return order, [(order[i : i + chunk_rows], max(int(ends[order[i]]), 1)) for i in range(0, len(order), chunk_rows)]
 
 
@@ -167,13 +166,10 @@ class SpanReader(nn.Module):
     def span_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor,
                     max_answer_tokens: int, chunk_rows: int = 0) -> torch.Tensor:
         """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; `span_valid` says which are spans).
-
-        `chunk_rows` > 0: length bucketing. The rows run longest first (`encoder.longest_first`), in
-        chunks of `chunk_rows`, each cut to its own longest row (the last attended position), and
-        come back in their own order at width L; positions past a chunk's width hold NEG, which is
-        past the row's own end, where no span is valid. A batch of 128-token blocks padded to ~290
-        spends half the BERT on padding otherwise. 0: one forward over all rows at width L (the
-        reference; equal up to float noise on every valid span)."""
+        `chunk_rows` > 0: the rows run longest first in chunks of that many, each cut to its widest
+        row (`length_chunks`), and come back in their own order at width L, NEG past a chunk's width
+        (past the row's end: no valid span there). 0: one forward at width L, the reference; the two
+        agree on every valid span up to float noise."""
         if chunk_rows <= 0:
             return self._span_scores(input_ids, attention_mask, token_type_ids, max_answer_tokens)
         L = input_ids.size(1)
