@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fp32-chunks", type=int, nargs="+", default=None, help="chunks timed in fp32 besides 0 (default: --chunks)")
     ap.add_argument("--fp32-rounds", type=int, default=None, help="rounds in fp32 (default: --rounds)")
     ap.add_argument("--train-steps", type=int, default=3, help="timed training steps per setting (0: none)")
+    ap.add_argument("--train-chunk", type=int, default=None, help="reader_chunk_rows of the timed training step "
+                    "against 0 (default: params.yaml's finetune.reader_chunk_rows)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/reader_buckets.json")
     args = ap.parse_args(argv)
     if args.chunks[0] != 0:
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
              for batch in batches]
     masks = [b["attention_mask"].flatten(0, 1) for b in batches]  # (B*K, L) each
     tokens = {str(c): fed_tokens(masks, c) for c in args.chunks}
+    by_batch = {}  # would more questions per evaluate batch sort better? (tokens only, load-independent)
+    for qs in (8, 16, 32):
+        m = [collate(rows[i : i + qs])["attention_mask"].flatten(0, 1) for i in range(0, len(rows), qs)]
+        by_batch[qs] = {str(c): fed_tokens(m, c) for c in args.chunks}
     real = int(sum(int(m.sum()) for m in masks))
     widths = [m.shape[1] for m in masks]
     print(f"{len(rows)} questions x top {ft.qa_top_k}, batches of {EVAL_BATCH} ({len(batches)}), widths "
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         tb = [collate(train_rows[i : i + bs]) for i in range(0, bs * args.train_steps, bs)]
         model.train()
         precision = precisions[0]
-        train_chunks = [0, min((c for c in args.chunks if c), key=lambda c: abs(c - 16))]
+        train_chunks = [0, args.train_chunk or ft.reader_chunk_rows]
 
         def step(chunk_rows: int) -> float:
             model.reader_chunk_rows = chunk_rows
@@ -163,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
 
     res.update(
         questions=len(rows), top_k=ft.qa_top_k, eval_batch=EVAL_BATCH, fed_tokens=tokens, real_tokens=real,
+        fed_tokens_by_eval_batch=by_batch,
         fed_token_ratio={c: tokens["0"] / t for c, t in tokens.items()}, train=train,
         env={"cpu": cpu_model(), "native_bf16": native, "threads": torch.get_num_threads(),
              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "loadavg_start": load_start,
@@ -171,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     write_json_atomic(args.out, res)
     print("\ntokens fed to the BERT: " + ", ".join(f"{c}: {t:,} ({tokens['0'] / t:.2f}x fewer)" for c, t in tokens.items())
           + f"; real {real:,}")
+    print("tokens fed by questions per evaluate batch: " + "; ".join(
+        f"{qs}: " + ", ".join(f"{c}: {t:,}" for c, t in v.items()) for qs, v in by_batch.items()))
     print("| precision | reader_chunk_rows | median (s) | speed-up vs 0 | per round | same answer | max abs score diff |")
     print("|---|---:|---:|---:|---|---:|---:|")
     for precision, r in res["precisions"].items():
