@@ -73,8 +73,8 @@ def row_length(row: Any) -> int:
 def length_order(blocks: Any, length: Callable[[Any], int] | None = row_length) -> np.ndarray:
     """Row positions (N,), `encoder.longest_first` by `length(row)`. Batches cut from this order pad
     each row to a similar width instead of the longest in a random mix (a corpus of 128-token
-    blocks embedded at ~256). An HF `Dataset` is measured
-    from its Arrow `input_ids` / `title_ids` columns without reading rows. `length=None`: 0..N-1."""
+    blocks embedded at ~256). An HF `Dataset` is measured from its Arrow `input_ids` / `title_ids`
+    columns without reading rows. `length=None`: 0..N-1."""
     if length is None:
         return np.arange(len(blocks))
     if _is_hf_dataset(blocks) and length is row_length:
