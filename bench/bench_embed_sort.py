@@ -39,15 +39,14 @@ from components.training.precision import cpu_has_native_bf16  # noqa: E402
 ARMS = ("given_order", "bucketed")  # baseline first
 
 
-def shipped_blocks(tmp: Path):
-    """The small preset's retrieval blocks and tokenizer, through prepare_corpus + tokenize_corpus."""
-    import datasets
-
+def prepare_and_tokenize(tmp: Path, presets: list[Path]):
+    """(params, warm-start folder): the corpus of params.yaml + `presets` through the real prepare_corpus
+    and tokenize_corpus into `tmp`/corpus and `tmp`/tokens."""
     from components.data.prepare import prepare_corpus
-    from components.data.tokenize import load_tokenizer, tokenize_corpus
+    from components.data.tokenize import tokenize_corpus
     from components.models.encoder import warm_start_path
 
-    p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/small.yaml"])
+    p = load_params(ROOT / "params.yaml", presets=presets)
     cwd = os.getcwd()
     os.chdir(ROOT)  # data.path is relative to the repo root
     try:
@@ -56,6 +55,16 @@ def shipped_blocks(tmp: Path):
         os.chdir(cwd)
     warm = warm_start_path(p)
     tokenize_corpus(p.tokenize, tmp / "corpus", tmp / "tokens", warm_start=warm)
+    return p, warm
+
+
+def shipped_blocks(tmp: Path):
+    """The small preset's retrieval blocks and tokenizer."""
+    import datasets
+
+    from components.data.tokenize import load_tokenizer
+
+    p, warm = prepare_and_tokenize(tmp, [ROOT / "params/small.yaml"])
     blocks = datasets.load_from_disk(str(tmp / "tokens" / "blocks"))
     return p, warm, [list(r) for r in blocks["input_ids"]], load_tokenizer(tmp / "tokens" / "tokenizer")
 

@@ -450,6 +450,9 @@ class FinetuneParams(_Section):
     span_hidden: int = Field(ge=1, description="hidden units of the mlp span scorer")
     span_softmax: Literal["per_block", "joint"] = Field(description="per_block: p(z|x) p(s|x,z); joint: one "
                                                         "softmax over every (block, span) with the retrieval score added")
+    reader_chunk_rows: int = Field(ge=0, description="the reader's (x, z) rows run longest first, this many per "
+                                   "forward, each chunk cut to its own longest row (speed only); 0 = one forward over "
+                                   "all rows at the batch's width")
     # the default's warm-started MiniLM trains at BERT-scale rates; params/tiny.yaml's encoder built from config, trained
     # for tens of steps, needs far higher ones
     train: TrainParams

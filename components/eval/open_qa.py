@@ -40,9 +40,10 @@ class OpenQAPredictor:
     """Answer questions with a trained `OpenQA` over a frozen block selection, `batch_size` at a time.
 
     `ft`: a FinetuneParams (query_len, passage_len, qa_top_k, max_answer_tokens: the lengths of
-    training); `blocks`: the block table the index rows point into; `block_vecs` (N, D) its vectors
-    (None for BM25); `index`: anything with `search(q, k) -> (scores, rows)`, or None for BM25 top-k
-    over the block texts (`bm25`: a fitted `bm25_over_blocks`, built here when not given).
+    training; `load` also reads `reader_chunk_rows`, the reader's length bucketing, from it);
+    `blocks`: the block table the index rows point into; `block_vecs` (N, D) its vectors (None for
+    BM25); `index`: anything with `search(q, k) -> (scores, rows)`, or None for BM25 top-k over the
+    block texts (`bm25`: a fitted `bm25_over_blocks`, built here when not given).
     """
 
     def __init__(self, model: OpenQA, ft, tokenizer, blocks, block_vecs, index, batch_size: int = 8, bm25=None,
@@ -63,7 +64,8 @@ class OpenQAPredictor:
         pretrain_realm index (checked to be row-aligned with the blocks); `index_dir=None`: BM25."""
         blocks = blocks if blocks is not None else datasets.load_from_disk(str(blocks_dir))
         vecs, index = load_block_index(index_dir, blocks) if index_dir is not None else (None, None)
-        return cls(OpenQA.from_pretrained(model_dir), ft, tokenizer, blocks, vecs, index, batch_size, bm25=bm25, name=name)
+        model = OpenQA.from_pretrained(model_dir, ft.reader_chunk_rows)
+        return cls(model, ft, tokenizer, blocks, vecs, index, batch_size, bm25=bm25, name=name)
 
     @classmethod
     def for_system(cls, system: str, ft, tokenizer, open_qa_dir: str | os.PathLike = OPEN_QA_OUT, blocks=None,

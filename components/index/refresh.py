@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from components.index.faiss_index import BlockIndex
-from components.models.encoder import unwrap
+from components.models.encoder import longest_first, unsort_rows, unwrap
 from components.progress import ProgressClock, count_line
 
 BuildFn = Callable[[Any, int], "tuple[BlockIndex, dict]"]
@@ -71,11 +71,10 @@ def row_length(row: Any) -> int:
 
 
 def length_order(blocks: Any, length: Callable[[Any], int] | None = row_length) -> np.ndarray:
-    """Row positions (N,), longest row first (stable: ties keep their order; an already sorted
-    input comes back as 0..N-1). Batches cut from this order pad each row to a similar width
-    instead of the longest in a random mix (a corpus of 128-token blocks embedded at ~256).
-    Longest first, so the largest batch (the memory peak) comes first. An HF `Dataset` is measured
-    from its Arrow `input_ids` / `title_ids` columns without reading rows. `length=None`: 0..N-1."""
+    """Row positions (N,), `encoder.longest_first` by `length(row)`. Batches cut from this order pad
+    each row to a similar width instead of the longest in a random mix (a corpus of 128-token
+    blocks embedded at ~256). An HF `Dataset` is measured from its Arrow `input_ids` / `title_ids`
+    columns without reading rows. `length=None`: 0..N-1."""
     if length is None:
         return np.arange(len(blocks))
     if _is_hf_dataset(blocks) and length is row_length:
@@ -89,7 +88,7 @@ def length_order(blocks: Any, length: Callable[[Any], int] | None = row_length) 
                 lens += pc.fill_null(pc.list_value_length(table[c]), 0).to_numpy().astype(np.int64)
     else:
         lens = np.fromiter((length(r) for r in blocks), dtype=np.int64, count=len(blocks))
-    return np.argsort(-lens, kind="stable")
+    return longest_first(lens)
 
 
 def take_rows(blocks: Any, positions: np.ndarray) -> Any:
@@ -180,13 +179,6 @@ def embed_blocks(
         raise ValueError("no blocks to embed")
     emb = unsort_rows(np.concatenate(chunks, axis=0), order)  # (N, d) back in the caller's order
     return emb, embed_stats(emb.shape[0], n_tokens, emb.shape[1], seconds)
-
-
-def unsort_rows(rows: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """Undo `take_rows(blocks, order)`: row i of `rows` belongs at position `order[i]`."""
-    out = np.empty_like(rows)
-    out[order] = rows
-    return out
 
 
 def embed_stats(n_blocks: int, n_tokens: int, dim: int, seconds: float) -> dict:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from components.index import refresh as refresh_lib
 from components.index.faiss_index import BlockIndex
+from components.models.encoder import unsort_rows
 
 
 def world() -> int:
@@ -147,7 +148,7 @@ def embed_sharded(
     if n_ok != ws:
         raise RuntimeError(f"refresh: the embed failed on {ws - n_ok} other rank(s); keeping the old index")
     by_length = gather_rows(local if local is not None else np.zeros((0, d), np.float32), counts, group)  # (N, d)
-    emb = refresh_lib.unsort_rows(by_length, order)  # (N, d) in block order
+    emb = unsort_rows(by_length, order)  # (N, d) in block order
     seconds = time.perf_counter() - t0
     return emb, {**refresh_lib.embed_stats(n, n_tokens, d, seconds),
                  "shard_blocks": stop - start, "shard_seconds": shard_seconds, "world_size": ws}

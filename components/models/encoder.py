@@ -23,6 +23,10 @@ is that, or None when every encoder is built from config. Both loaders also take
 wrapper adds, e.g. RetroMAE's decoder), for a head-only phase before joint training;
 `head_param_names(model)` names those same parameters (the joint phase's `warm_start.head_lr` group).
 
+Length bucketing (a batch padded to its own longest row, not to the longest of a random mix):
+`longest_first(lengths)` is the order to run rows in and `unsort_rows(out, order)` puts the outputs
+back; the block embed (index/refresh.py `embed_blocks`) and the reader's forward (reader.py) share them.
+
 Shapes: B batch, L sequence length, H hidden.
 """
 
@@ -37,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -59,6 +64,27 @@ def unwrap(module: nn.Module) -> nn.Module:
             module = module._orig_mod
         else:
             return module
+
+
+# ----------------------------------------------------------------------------------------------
+# length bucketing
+# ----------------------------------------------------------------------------------------------
+def longest_first(lengths: np.ndarray) -> np.ndarray:
+    """Row positions (N,), longest row first (stable: ties keep their order; an already sorted input
+    comes back as 0..N-1). Longest first, so the widest batch (the memory peak) comes first."""
+    return np.argsort(-np.asarray(lengths), kind="stable")
+
+
+def unsort_rows(rows: np.ndarray | torch.Tensor, order: np.ndarray) -> np.ndarray | torch.Tensor:
+    """Undo running rows in `order`: row i of `rows` belongs at position `order[i]` (N, ...). A tensor
+    keeps its autograd graph (the scatter's backward gathers the gradients back)."""
+    if isinstance(rows, torch.Tensor):
+        out = rows.new_empty(rows.shape)
+        out[torch.as_tensor(order, device=rows.device)] = rows
+        return out
+    out = np.empty_like(rows)
+    out[order] = rows
+    return out
 
 
 def _dropout_overrides(dropout: float | None) -> dict:

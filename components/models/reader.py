@@ -53,6 +53,10 @@ Usage (the batches: components/data/qa_batch.py):
     out = model(collate(rows))             # rows: {question, answers, block_rows: [top-k block rows]}
     model.predict("who founded Sesger?", [blocks[r] for r in rows], block_vecs[rows], collate)
 
+Speed: the collator pads every (x, z) row of a batch to its longest (~290 tokens over blocks of
+~128); `finetune.reader_chunk_rows` runs the B*K rows through the BERT in length-sorted chunks, each
+at its own width (`SpanReader.span_scores`), in training and at evaluation alike.
+
 Shapes: B questions, K blocks per question, L reader length, A = max_answer_tokens, D embedding dim.
 """
 
@@ -68,6 +72,7 @@ import torch
 from torch import nn
 
 from components.io import atomic_dir, write_json_atomic
+from components.models.encoder import longest_first, unsort_rows
 from components.models.span_scores import NEG, SpanMLP, marginal_nll, masked_log_softmax, span_pairs, span_valid
 
 if TYPE_CHECKING:
@@ -81,6 +86,16 @@ SPAN_SOFTMAX = ("per_block", "joint")
 # ----------------------------------------------------------------------------------------------
 # the reader
 # ----------------------------------------------------------------------------------------------
+def length_chunks(attention_mask: torch.Tensor, chunk_rows: int) -> tuple[np.ndarray, list[tuple[np.ndarray, int]]]:
+    """(order (N,), [(row positions (n,), width)]): the rows of an (N, L) mask longest first, cut into
+    chunks of `chunk_rows`, each with its widest row's end (the last attended position + 1, so a mask
+    with a hole inside keeps the tokens after it; >= 1). Longest first, a chunk's first row is its widest."""
+    L = attention_mask.size(1)
+    ends = (attention_mask.ne(0) * torch.arange(1, L + 1, device=attention_mask.device)).amax(1).cpu().numpy()  # (N,)
+    order = longest_first(ends)
+    return order, [(order[i : i + chunk_rows], max(int(ends[order[i]]), 1)) for i in range(0, len(order), chunk_rows)]
+
+
 class SpanReader(nn.Module):
     """BERT over `[CLS] x [SEP] z [SEP]` -> span scores. An HF *ForQuestionAnswering, so the saved
     folder is a standard HF QA model; its start/end head `qa_outputs` is the `linear` scorer, and
@@ -149,8 +164,27 @@ class SpanReader(nn.Module):
         return out.start_logits, out.end_logits  # (N, L) each
 
     def span_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor,
-                    max_answer_tokens: int) -> torch.Tensor:
-        """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; `span_valid` says which are spans)."""
+                    max_answer_tokens: int, chunk_rows: int = 0) -> torch.Tensor:
+        """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; `span_valid` says which are spans).
+        `chunk_rows` > 0: the rows run longest first in chunks of that many, each cut to its widest
+        row (`length_chunks`), and come back in their own order at width L, NEG past a chunk's width
+        (past the row's end: no valid span there). 0: one forward at width L, the reference; the two
+        agree on every valid span up to float noise."""
+        if chunk_rows <= 0:
+            return self._span_scores(input_ids, attention_mask, token_type_ids, max_answer_tokens)
+        L = input_ids.size(1)
+        order, chunks = length_chunks(attention_mask, chunk_rows)
+        parts = []
+        for rows, width in chunks:
+            rows = torch.as_tensor(rows, device=input_ids.device)  # (n,)
+            cut = lambda t: t[rows, :width]  # noqa: E731
+            scores = self._span_scores(cut(input_ids), cut(attention_mask), cut(token_type_ids), max_answer_tokens)
+            parts.append(torch.nn.functional.pad(scores, (0, 0, 0, L - width), value=NEG))  # (n, L, A)
+        return unsort_rows(torch.cat(parts), order)  # (N, L, A) in the caller's order
+
+    def _span_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor,
+                     max_answer_tokens: int) -> torch.Tensor:
+        """f(s) (N, L, A) in one forward over the rows as given."""
         if self.span_mlp is None:
             start, end = self(input_ids, attention_mask, token_type_ids)  # (N, L) each
             return start.float()[:, :, None] + span_pairs(end.float(), max_answer_tokens, NEG)  # (N, L, A)
@@ -170,13 +204,18 @@ class OpenQA(nn.Module):
     attention_mask / token_type_ids / context_mask (B, K, L); optional span_start_mask /
     span_end_mask (B, K, L) (word boundaries; default: any z token); correct_spans (B, K, L, A);
     answer_in_block (B, K).
+    `reader_chunk_rows`: the reader's length bucketing (`SpanReader.span_scores`; 0 = off). It changes
+    speed, not results (float noise aside), so it is a run setting, not saved in openqa_config.json.
     """
 
     def __init__(self, retriever: nn.Module | None, reader: SpanReader, max_answer_tokens: int = 10,
-                 span_softmax: str = "per_block"):
+                 span_softmax: str = "per_block", reader_chunk_rows: int = 0):
         super().__init__()
         if max_answer_tokens < 1:
             raise ValueError(f"max_answer_tokens must be >= 1, got {max_answer_tokens}")
+        if reader_chunk_rows < 0:
+            raise ValueError(f"reader_chunk_rows must be >= 0 (0 = one forward over all rows), got {reader_chunk_rows}")
+        self.reader_chunk_rows = reader_chunk_rows  # how the reader runs, not what it is: not saved
         if span_softmax not in SPAN_SOFTMAX:
             raise ValueError(f"span_softmax must be one of {SPAN_SOFTMAX}, got {span_softmax!r}")
         self.retriever, self.reader, self.max_answer_tokens = retriever, reader, max_answer_tokens
@@ -213,11 +252,13 @@ class OpenQA(nn.Module):
 
     # -- f(s) and p(s | x, z) -----------------------------------------------------------------------
     def span_scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(f(s), valid), each (B, K, L, A): the reader over all B*K (x, z) pairs at once."""
+        """(f(s), valid), each (B, K, L, A): the reader over all B*K (x, z) pairs, in length-sorted
+        chunks of `reader_chunk_rows` (0: all at once); either way at the batch's width L."""
         B, K, L = batch["input_ids"].shape
         flat = lambda t: t.reshape(B * K, L)  # noqa: E731
         scores = self.reader.span_scores(flat(batch["input_ids"]), flat(batch["attention_mask"]),
-                                         flat(batch["token_type_ids"]), self.max_answer_tokens)  # (B*K, L, A)
+                                         flat(batch["token_type_ids"]), self.max_answer_tokens,
+                                         self.reader_chunk_rows)  # (B*K, L, A)
         ctx = batch["context_mask"]
         # Spans start/end on word boundaries when the collator says where they are (every correct
         # span does), so no probability mass goes to "##ing"-like fragments the metric can't match.
@@ -340,7 +381,8 @@ class OpenQA(nn.Module):
         return Path(out_dir)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "OpenQA":
+    def from_pretrained(cls, path: str | os.PathLike, reader_chunk_rows: int = 0) -> "OpenQA":
+        """A folder of `save_pretrained`; `reader_chunk_rows` as in the constructor (not saved)."""
         path = Path(path)
         cfg = json.loads((path / OPENQA_CONFIG).read_text())
         if "retriever_type" in cfg and cfg["retriever_type"] is None:
@@ -354,4 +396,4 @@ class OpenQA(nn.Module):
 
             retriever = BiEncoder.from_pretrained(path / "retriever")
         reader = SpanReader.from_pretrained(path / "reader", span_scorer=cfg.get("span_scorer", "linear"))
-        return cls(retriever, reader, cfg["max_answer_tokens"], cfg.get("span_softmax", "per_block"))
+        return cls(retriever, reader, cfg["max_answer_tokens"], cfg.get("span_softmax", "per_block"), reader_chunk_rows)

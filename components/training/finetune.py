@@ -171,7 +171,7 @@ def train_gold_reader(params: Params, tokenizer, blocks, qa: list[dict], reader,
         log.warning("finetune.qa_gold_steps=%d but no training question has a positive_ctx paragraph holding its "
                     "answer: skipping the reader's own-paragraph phase", ft.qa_gold_steps)
         return reader, {}
-    model = OpenQA(None, reader, ft.max_answer_tokens, ft.span_softmax)
+    model = OpenQA(None, reader, ft.max_answer_tokens, ft.span_softmax, ft.reader_chunk_rows)
     train = phase_params(ft.qa_train, ft.qa_gold_steps, ft.qa_train.lr, batch_size=ft.qa_gold_batch_size)
     trainer = Trainer(model, rows, QACollator.from_params(tokenizer, blocks, None, ft, top_k=1), train, params.compute,
                       ckpt, log_fn=prefixed(log_fn, "qa.gold."), log_every=params.tracking.log_every,
@@ -192,7 +192,7 @@ def train_reader(params: Params, tokenizer, system: str, blocks, qa: list[dict],
     if retrieve is not None and ft.qa_train.num_workers:
         raise ValueError("finetune.qa_train.num_workers must be 0: the per-step search reads the query tower "
                          "in the training process (a worker would search with a stale copy)")
-    model = OpenQA(retriever, reader, ft.max_answer_tokens, ft.span_softmax)
+    model = OpenQA(retriever, reader, ft.max_answer_tokens, ft.span_softmax, ft.reader_chunk_rows)
     collate = QACollator.from_params(tokenizer, blocks, vecs, ft, retrieve=retrieve)
     trainer = Trainer(model, rows, collate, ft.qa_train, params.compute, ckpt, log_fn=log_fn,
                       log_every=params.tracking.log_every, param_prefix="finetune.qa_train",

@@ -1,0 +1,198 @@
+"""Length bucketing in the open-QA reader (issue 27): `OpenQA` reading a batch's B*K `[CLS] x [SEP] z [SEP]`
+rows in one forward at the batch's width (`finetune.reader_chunk_rows: 0`, the reference) against
+length-sorted chunks of a few rows, each at its own width. Interleaved rounds, medians.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_reader_buckets.py     # -> bench/results/reader_buckets.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_reader_buckets.py --questions 60 --chunks 0 16 --precisions fp32
+
+The corpus is the shipped one the default reads (params.yaml `data.path`), prepared and tokenized by the
+real stage bodies into a temporary folder; the questions are the first `--questions` of the evaluated split
+(`evaluate.split`) with their BM25 top `finetune.qa_top_k` blocks (the bm25 system of open QA), read as
+`OpenQAPredictor.predict_all` does (batches of 8 questions, `predict_batch`). The reader is the MiniLM warm
+start with a fresh span head (speed does not depend on trained weights). bf16 (autocast) runs only where
+the CPU has native bf16, unless named in `--precisions`. Besides seconds: the tokens each setting feeds the
+BERT (load-independent), and how far the chunked answers are from the reference's (same answer, max |diff|
+of its score). Last, one training step (forward + backward, `finetune.qa_train.batch_size` questions) with
+and without buckets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_embed_sort import prepare_and_tokenize  # noqa: E402
+from bench.bench_mfu import cpu_model, git_commit  # noqa: E402
+from components.io import write_json_atomic  # noqa: E402
+from components.training.precision import cpu_has_native_bf16  # noqa: E402
+
+EVAL_BATCH = 8  # OpenQAPredictor's questions per batch
+
+
+def shipped_qa(tmp: Path, n_questions: int):
+    """The default's blocks, tokenizer and the first `n_questions` of the evaluated split with their BM25
+    top k (and 64 training questions with theirs)."""
+    import datasets
+
+    from components.data.finetune_data import load_qa
+    from components.data.tokenize import load_tokenizer
+    from components.retrieval.search import bm25_qa_blocks
+
+    p, warm = prepare_and_tokenize(tmp, [])
+    blocks = [dict(r) for r in datasets.load_from_disk(str(tmp / "tokens" / "blocks"))]  # in memory: time the reader, not Arrow
+    texts = [b["text"] for b in blocks]
+    rows = bm25_qa_blocks(load_qa(tmp / "corpus", p.evaluate.split)[:n_questions], p.finetune.qa_top_k, block_texts=texts)
+    train_rows = bm25_qa_blocks(load_qa(tmp / "corpus", "train")[:64], p.finetune.qa_top_k, block_texts=texts)
+    return p, warm, blocks, rows, train_rows, load_tokenizer(tmp / "tokens" / "tokenizer")
+
+
+def fed_tokens(masks: list[torch.Tensor], chunk_rows: int) -> int:
+    """Tokens the BERT sees over these batches' (N, L) masks: N x L at 0, else each chunk x its width."""
+    from components.models.reader import length_chunks
+
+    if chunk_rows <= 0:
+        return sum(m.numel() for m in masks)
+    return sum(len(rows) * width for m in masks for rows, width in length_chunks(m, chunk_rows)[1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--questions", type=int, default=150)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 4, 8, 16, 40], help="reader_chunk_rows; 0 (the reference) first")
+    ap.add_argument("--precisions", nargs="+", default=None, help="fp32 / bf16 (default: bf16 where native, + fp32)")
+    ap.add_argument("--fp32-chunks", type=int, nargs="+", default=None, help="chunks timed in fp32 besides 0 (default: --chunks)")
+    ap.add_argument("--fp32-rounds", type=int, default=None, help="rounds in fp32 (default: --rounds)")
+    ap.add_argument("--train-steps", type=int, default=3, help="timed training steps per setting (0: none)")
+    ap.add_argument("--train-chunk", type=int, default=None, help="reader_chunk_rows of the timed training step "
+                    "against 0 (default: params.yaml's finetune.reader_chunk_rows)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/reader_buckets.json")
+    args = ap.parse_args(argv)
+    if args.chunks[0] != 0:
+        args.chunks = [0, *[c for c in args.chunks if c != 0]]
+    native = cpu_has_native_bf16()
+    precisions = args.precisions or (["bf16", "fp32"] if native else ["fp32"])
+    load_start = os.getloadavg()
+
+    from components.data.qa_batch import QACollator
+    from components.models.reader import OpenQA, SpanReader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p, warm, blocks, rows, train_rows, tok = shipped_qa(Path(tmp), args.questions)
+    ft = p.finetune
+    torch.manual_seed(0)
+    reader = SpanReader.from_pretrained(warm, span_scorer=ft.span_scorer, span_hidden=ft.span_hidden)
+    model = OpenQA(None, reader, ft.max_answer_tokens, ft.span_softmax).eval()
+    collate = QACollator.from_params(tok, blocks, None, ft)
+    batches = [collate(rows[i : i + EVAL_BATCH]) for i in range(0, len(rows), EVAL_BATCH)]
+    texts = [[[None if r < 0 else blocks[int(r)]["text"] for r in b] for b in batch["candidate_rows"].tolist()]
+             for batch in batches]
+    masks = [b["attention_mask"].flatten(0, 1) for b in batches]  # (B*K, L) each
+    tokens = {str(c): fed_tokens(masks, c) for c in args.chunks}
+    by_batch = {}  # would more questions per evaluate batch sort better? (tokens only, load-independent)
+    for qs in (8, 16, 32):
+        m = [collate(rows[i : i + qs])["attention_mask"].flatten(0, 1) for i in range(0, len(rows), qs)]
+        by_batch[qs] = {str(c): fed_tokens(m, c) for c in args.chunks}
+    real = int(sum(int(m.sum()) for m in masks))
+    widths = [m.shape[1] for m in masks]
+    print(f"{len(rows)} questions x top {ft.qa_top_k}, batches of {EVAL_BATCH} ({len(batches)}), widths "
+          f"{min(widths)}-{max(widths)} (mean {np.mean(widths):.0f}), mean row {real / sum(m.shape[0] for m in masks):.0f} "
+          f"tokens; threads={torch.get_num_threads()} cpu={cpu_model()!r} native_bf16={native} load={load_start}")
+
+    def read(chunk_rows: int, precision: str) -> tuple[float, list[dict]]:
+        model.reader_chunk_rows = chunk_rows
+        out = []
+        t0 = time.perf_counter()
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            for batch, tx in zip(batches, texts):
+                out += model.predict_batch(batch, tx)
+        return time.perf_counter() - t0, out
+
+    res: dict = {"precisions": {}}
+    for precision in precisions:
+        chunks = args.chunks if precision != "fp32" or args.fp32_chunks is None else [0, *[c for c in args.fp32_chunks if c]]
+        read(chunks[-1], precision)  # warm-up: oneDNN picks its kernels on the first calls
+        times: dict[str, list[float]] = {str(c): [] for c in chunks}
+        preds: dict[str, list[dict]] = {}
+        rounds = args.fp32_rounds if precision == "fp32" and args.fp32_rounds else args.rounds
+        for r in range(rounds):  # interleaved, the order alternating, so load drift hits every arm
+            for c in (chunks if r % 2 == 0 else chunks[::-1]):
+                s, preds[str(c)] = read(c, precision)
+                times[str(c)].append(s)
+            print(f"  {precision} round {r + 1}: " + ", ".join(f"{c}: {times[c][-1]:.1f}s" for c in times), flush=True)
+        med = {c: statistics.median(v) for c, v in times.items()}
+        ref = preds["0"]
+        res["precisions"][precision] = {"seconds": times, "median_s": med, "arms": {c: {
+            "speedup": med["0"] / med[c],
+            "same_answer": sum(a["answer"] == b["answer"] for a, b in zip(preds[c], ref)) / len(ref),
+            "max_abs_score_diff": max(abs(a["score"] - b["score"]) for a, b in zip(preds[c], ref)
+                                      if np.isfinite(a["score"]) and np.isfinite(b["score"]))} for c in times}}
+
+    train = {}
+    if args.train_steps:
+        bs = ft.qa_train.batch_size
+        tb = [collate(train_rows[i : i + bs]) for i in range(0, bs * args.train_steps, bs)]
+        model.train()
+        precision = precisions[0]
+        train_chunks = [0, args.train_chunk or ft.reader_chunk_rows]
+
+        def step(chunk_rows: int) -> float:
+            model.reader_chunk_rows = chunk_rows
+            t0 = time.perf_counter()
+            for batch in tb:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    loss = model(batch)["loss"]
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+            return (time.perf_counter() - t0) / len(tb)
+
+        step(train_chunks[-1])  # warm-up
+        tt: dict[str, list[float]] = {str(c): [] for c in train_chunks}
+        for r in range(args.rounds):
+            for c in (train_chunks if r % 2 == 0 else train_chunks[::-1]):
+                tt[str(c)].append(step(c))
+            print(f"  train {precision} round {r + 1}: " + ", ".join(f"{c}: {tt[c][-1]:.2f}s/step" for c in tt), flush=True)
+        tmed = {c: statistics.median(v) for c, v in tt.items()}
+        train = {"precision": precision, "batch_size": bs, "steps": len(tb), "seconds_per_step": tt, "median_s": tmed,
+                 "speedup": tmed["0"] / tmed[str(train_chunks[-1])], "chunk_rows": train_chunks[-1]}
+
+    res.update(
+        questions=len(rows), top_k=ft.qa_top_k, eval_batch=EVAL_BATCH, fed_tokens=tokens, real_tokens=real,
+        fed_tokens_by_eval_batch=by_batch,
+        fed_token_ratio={c: tokens["0"] / t for c, t in tokens.items()}, train=train,
+        env={"cpu": cpu_model(), "native_bf16": native, "threads": torch.get_num_threads(),
+             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "loadavg_start": load_start,
+             "loadavg_end": os.getloadavg(), "commit": git_commit(), "rounds": args.rounds,
+             "fp32_rounds": args.fp32_rounds or args.rounds})
+    write_json_atomic(args.out, res)
+    print("\ntokens fed to the BERT: " + ", ".join(f"{c}: {t:,} ({tokens['0'] / t:.2f}x fewer)" for c, t in tokens.items())
+          + f"; real {real:,}")
+    print("tokens fed by questions per evaluate batch: " + "; ".join(
+        f"{qs}: " + ", ".join(f"{c}: {t:,}" for c, t in v.items()) for qs, v in by_batch.items()))
+    print("| precision | reader_chunk_rows | median (s) | speed-up vs 0 | per round | same answer | max abs score diff |")
+    print("|---|---:|---:|---:|---|---:|---:|")
+    for precision, r in res["precisions"].items():
+        for c, arm in r["arms"].items():
+            per = ", ".join(f"{r['seconds']['0'][i] / s:.2f}" for i, s in enumerate(r["seconds"][c]))
+            print(f"| {precision} | {c} | {r['median_s'][c]:.1f} | {arm['speedup']:.2f}x | {per} | "
+                  f"{arm['same_answer']:.3f} | {arm['max_abs_score_diff']:.2e} |")
+    if train:
+        print(f"training step ({train['precision']}, {train['batch_size']} questions): "
+              f"0: {train['median_s']['0']:.2f}s, {train['chunk_rows']}: {train['median_s'][str(train['chunk_rows'])]:.2f}s "
+              f"({train['speedup']:.2f}x)")
+    print(f"-> {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+if __name__ == "__main__":
+    main()
