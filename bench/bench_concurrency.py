@@ -1,13 +1,13 @@
 """Stage-level parallelism (issue 31 item 2): the fine-tuning phase's wall time at `--concurrency 1`
-and `2`, on the tiny preset (or another), each in its own fresh clone of HEAD.
+and `2`, on the tiny preset (or another), in one fresh clone of HEAD.
 
     .venv/bin/python bench/bench_concurrency.py                     # tiny preset, concurrency 1 and 2
     .venv/bin/python bench/bench_concurrency.py --preset small --levels 1 2 4
 
-Per level: a clone runs the pipeline `--upto pretrain_realm` (untimed, concurrency 1), then the
-fine-tuning phase, timed from the client: `--only finetune_retriever` then `--only finetune_reader`
-at that concurrency (`flows.pipeline.run_concurrently`: every stage whose inputs are ready is a
-Prefect task, at most N at a time; each runs its stage command in its own process, two stage
+One clone runs the pipeline `--upto pretrain_realm` and `pretrain_mlm` (untimed, concurrency 1).
+Then per level, after removing the phase's outputs and checkpoints, the fine-tuning phase, timed
+from the client: `--only finetune_retriever` then `--only finetune_reader` at that concurrency
+(`flows.pipeline.run_concurrently`: every stage whose inputs are ready is a Prefect task, at most N at a time; each runs its stage command in its own process, two stage
 processes at once at concurrency 2). Against a local Prefect API started by the pipeline itself,
 or `PREFECT_API_URL` when set (a served API with process workers: `infra/servers.sh`).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -59,16 +60,29 @@ def stage_seconds(ws: Path) -> dict[str, float]:
     return {s: round((r.info.end_time - r.info.start_time) / 1000, 1) for s, r in sorted(newest.items())}
 
 
-def run_level(level: int, preset: str, workdir: Path) -> dict:
-    ws = fresh_clone(workdir / f"concurrency{level}")
-    preset_args = ["--preset", preset]
-    with open(ws / "bench.log", "w") as log:
-        setup_s = pipeline(ws, *preset_args, "--upto", "pretrain_realm", log=log)
+def prepare(preset: str, workdir: Path) -> tuple[Path, float]:
+    """One clone with every input of the fine-tuning phase (untimed for the levels): the pipeline
+    `--upto pretrain_realm`, then `pretrain_mlm` (not upstream of REALM, but `ft:mlm` starts from it)."""
+    ws = fresh_clone(workdir / "ws")
+    with open(ws / "bench.log", "a") as log:
+        setup_s = pipeline(ws, "--preset", preset, "--upto", "pretrain_realm", log=log)
+        setup_s += pipeline(ws, "--only", "pretrain_mlm", log=log)
+    return ws, setup_s
+
+
+def run_level(level: int, ws: Path) -> dict:
+    """The fine-tuning phase at `level`, from scratch: its outputs and its checkpoints (which a rerun
+    would resume) are removed first, so DVC and the stages redo all of it."""
+    shutil.rmtree(ws / "models" / "finetune", ignore_errors=True)
+    for ckpt in (ws / "checkpoints").glob("finetune_*"):
+        shutil.rmtree(ckpt)
+    with open(ws / "bench.log", "a") as log:
         phase = {g: round(pipeline(ws, "--only", g, "--concurrency", str(level), log=log), 1) for g in PHASE}
     stages = stage_seconds(ws)
     wall, work = sum(phase.values()), sum(stages.values())
-    return {"concurrency": level, "setup_s": round(setup_s, 1), "phase_wall_s": round(wall, 1), "phase_by_group_s": phase,
-            "stage_work_s": round(work, 1), "overlap": round(work / wall, 2) if wall else None, "stages_s": stages}
+    return {"concurrency": level, "phase_wall_s": round(wall, 1), "phase_by_group_s": phase,
+            "stage_work_s": round(work, 1), "overlap": round(work / wall, 2) if wall else None, "stages_s": stages,
+            "loadavg_after": os.getloadavg()}
 
 
 def main() -> None:
@@ -78,9 +92,10 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rr-bench-concurrency"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/concurrency.json")
     a = ap.parse_args()
-    results = {"preset": a.preset, "cpus": os.cpu_count(), "levels": []}
+    results = {"preset": a.preset, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "levels": []}
+    ws, results["setup_s"] = prepare(a.preset, a.workdir)
     for level in a.levels:
-        r = run_level(level, a.preset, a.workdir)
+        r = run_level(level, ws)
         results["levels"].append(r)
         print(f"concurrency {level}: fine-tuning phase {r['phase_wall_s']} s wall, {r['stage_work_s']} s of stage runs "
               f"(overlap {r['overlap']})", flush=True)
