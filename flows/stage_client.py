@@ -51,7 +51,8 @@ def main(argv: list[str]) -> None:
         sock.connect(path)
     except OSError as e:  # not up yet (its imports take a while), gone, or never started
         run_cold(argv, "not ready yet" if not os.path.exists(path) else f"cannot connect to {path} ({e.strerror or e})")
-    request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) is signal.SIG_IGN]  # nohup, `cmd &`
+    request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "ignored_signals": ignored}).encode()
     socket.send_fds(sock, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
     buf = bytearray()
     reply = _read_line(sock, buf)
@@ -67,7 +68,8 @@ def main(argv: list[str]) -> None:
             pass
 
     for sig in FORWARDED:
-        signal.signal(sig, forward)
+        if int(sig) not in ignored:
+            signal.signal(sig, forward)
     done = _read_line(sock, buf)
     if done is None:  # the server died under a running stage: do not leave the stage running unowned
         forward(signal.SIGTERM, None)

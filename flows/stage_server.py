@@ -72,30 +72,49 @@ def env_difference(server: dict[str, str], request: dict[str, str]) -> list[str]
 
 
 # Native threads that a fork may leave behind: pyarrow's jemalloc (imported by datasets) purges
-# in a background thread and takes every allocator lock around a fork (pthread_atfork), so the
-# child's allocator is consistent and restarts its own thread when it needs one.
+# in a background thread, and OpenBLAS (numpy's, scipy's) parks its worker pool; both shut down or
+# lock around a fork (pthread_atfork), so the child's copy is consistent and starts its own threads
+# when it needs them. Any other thread (a Python one, an OpenMP pool) makes the server refuse.
 FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
 
 
-def unsafe_threads() -> list[str]:
-    """This process's OS threads other than the main one and FORK_SAFE_THREADS (Linux): Python
-    threads and native ones (OpenMP, ...), by name."""
-    names = []
+def _openblas_workers() -> int:
+    """Worker threads the loaded OpenBLAS libraries may have started (num_threads - 1 each)."""
     try:
-        tasks = sorted(os.listdir("/proc/self/task"), key=int)
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return 0
+    return sum(max(0, lib.get("num_threads", 1) - 1) for lib in threadpool_info() if lib.get("internal_api") == "openblas")
+
+
+def unsafe_threads() -> list[str]:
+    """This process's threads that a fork would not copy safely (Linux), by name: every Python
+    thread but the main one, and native ones beyond FORK_SAFE_THREADS and OpenBLAS's workers
+    (those carry the process's own name, as any unnamed native thread does)."""
+    import threading
+
+    unsafe = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    python_threads = len(unsafe)  # their OS threads carry the process's name too
+    try:
+        tasks = [t for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
+        with open("/proc/self/comm", encoding="utf-8") as f:
+            own = f.read().strip()
     except OSError:
-        return []
+        return unsafe
+    unnamed = 0
     for tid in tasks:
-        if int(tid) == os.getpid():
-            continue
         try:
             with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as f:
                 name = f.read().strip()
         except OSError:  # it ended meanwhile
             continue
-        if name not in FORK_SAFE_THREADS:
-            names.append(name)
-    return names
+        if name == own:
+            unnamed += 1
+        elif name not in FORK_SAFE_THREADS:
+            unsafe.append(name)
+    if (native := unnamed - python_threads) > _openblas_workers():
+        unsafe.append(f"{native} unnamed native")
+    return unsafe
 
 
 def refusal(request: dict, cwd: str, env: dict[str, str], modules: tuple[str, ...] = MODULE_PREFIXES) -> str | None:
@@ -115,19 +134,29 @@ def refusal(request: dict, cwd: str, env: dict[str, str], modules: tuple[str, ..
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     """One length-prefixed JSON request and the client's stdin/stdout/stderr descriptors."""
+    conn.settimeout(10)  # a client that connects and never sends must not stall the server
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    if len(data) < 8:
-        raise ConnectionError("short request")
-    size = int.from_bytes(data[:8], "big")
-    body = bytearray(data[8:])
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            raise ConnectionError("the client closed the connection mid-request")
-        body += chunk
-    if len(fds) != 3:
-        raise ConnectionError(f"expected 3 file descriptors, got {len(fds)}")
-    return json.loads(bytes(body)), fds
+    try:
+        if len(data) < 8:
+            raise ConnectionError("short request")
+        size = int.from_bytes(data[:8], "big")
+        body = bytearray(data[8:])
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise ConnectionError("the client closed the connection mid-request")
+            body += chunk
+        if len(fds) != 3:
+            raise ConnectionError(f"expected 3 file descriptors, got {len(fds)}")
+        request = json.loads(bytes(body))
+        if not isinstance(request.get("argv"), list) or not isinstance(request.get("env"), dict):
+            raise ValueError("argv must be a list and env a dict")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    conn.settimeout(None)
+    return request, fds
 
 
 def _run_child(request: dict, fds: list[int], import_env: dict[str, str]) -> None:
@@ -145,7 +174,18 @@ def _run_child(request: dict, fds: list[int], import_env: dict[str, str]) -> Non
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in request.get("ignored_signals", []):  # what the client's process ignores (nohup, `&`)
+        signal.signal(signum, signal.SIG_IGN)
+    with contextlib.suppress(Exception):  # line-buffered on a terminal, as a fresh process's stdout is
+        sys.stdout.reconfigure(line_buffering=os.isatty(1))
     module, args = request["argv"][1], request["argv"][2:]
+    # `python -m` runs the module once, as __main__: drop the copy the server preloaded
+    if module in sys.modules:
+        del sys.modules[module]
+        parent, _, leaf = module.rpartition(".")
+        if parent in sys.modules:
+            with contextlib.suppress(AttributeError):
+                delattr(sys.modules[parent], leaf)
     sys.argv = [module, *args]  # runpy puts the module's file in argv[0], as `python -m` does
     code = 0
     try:
@@ -166,7 +206,13 @@ def _run_child(request: dict, fds: list[int], import_env: dict[str, str]) -> Non
 
 
 def _flush_and_run_atexit() -> None:
-    atexit._run_exitfuncs()  # Prefect's and MLflow's flushes; flows.run_main's fast exit may end here
+    """What an interpreter does at exit: join the threads and run threading's exit hooks (Prefect
+    drains its event and log queues there), then the atexit hooks (flows.run_main's fast exit may end here)."""
+    import threading
+
+    with contextlib.suppress(Exception):
+        threading._shutdown()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -201,17 +247,25 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD, modules: tuple[str, ...
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    owner = os.getppid()  # the pipeline: if it dies without stopping us, so do we
+    abandoned: set[int] = set()  # stages whose client went away: signalled once, no longer watched
     try:
-        while not stopping:
-            readable, _, _ = select.select([listener, *children.values()], [], [], 0.2)
+        while not stopping and os.getppid() == owner:
+            watched = [c for p, c in children.items() if p not in abandoned]
+            readable, _, _ = select.select([listener, *watched], [], [], 0.2)
             for conn in readable:
                 if conn is listener:
-                    _accept(listener, cwd, start_env, import_env, modules, children)
+                    try:
+                        _accept(listener, cwd, start_env, import_env, modules, children)
+                    except Exception as e:  # noqa: BLE001 - one bad request never takes the running stages down
+                        print(f"stage server: request failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
                 else:  # a client connection became readable while its stage runs: the client is gone
                     pid = next(p for p, c in children.items() if c is conn)
+                    abandoned.add(pid)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGTERM)
             _reap(children)
+            abandoned &= set(children)
     finally:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
@@ -236,7 +290,15 @@ def _accept(listener: socket.socket, cwd: str, start_env: dict[str, str], import
             conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
         conn.close()
         return
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as e:  # e.g. ENOMEM: the client runs the stage cold
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"refused": f"fork failed ({e.strerror or e})"}).encode() + b"\n")
+        conn.close()
+        return
     if pid == 0:  # the stage
         try:
             listener.close()
@@ -288,7 +350,8 @@ def stage_server(env: dict[str, str]) -> Iterator[str]:
     env = {k: v for k, v in env.items() if k != ENV_SERVER}
     log_path = os.path.join(folder, "server.log")
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(["scripts/py", "-m", "flows.stage_server", "--socket", path], env=env, stdout=logf,
+        command = [str(Path("scripts/py").resolve()), "-m", "flows.stage_server", "--socket", path]
+        proc = subprocess.Popen(command, env=env, stdout=logf,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     log.info("stage server: pid %d, socket %s (log %s)", proc.pid, path, log_path)
     previous = os.environ.get(ENV_SERVER)
@@ -302,7 +365,11 @@ def stage_server(env: dict[str, str]) -> Iterator[str]:
             os.environ[ENV_SERVER] = previous
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         with contextlib.suppress(OSError):
             text = Path(log_path).read_text(encoding="utf-8", errors="replace")

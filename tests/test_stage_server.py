@@ -24,17 +24,25 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "flows" / "stage_client.py"
 
 MODULE = """
-import json, os, sys, time
+import json, os, signal, sys, time
 import numpy
-print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
-                  "stage": os.environ.get("DVC_STAGE"), "do_not_track": os.environ.get("DO_NOT_TRACK"),
-                  "rand": float(numpy.random.random()), "main": __name__}), flush=True)
-print("a line on stderr", file=sys.stderr, flush=True)
-if "--raise" in sys.argv:
-    raise ValueError("boom in the stage")
-if "--sleep" in sys.argv:
-    time.sleep(60)
-sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]) if "--exit" in sys.argv else 0)
+
+
+def main():
+    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
+                      "stage": os.environ.get("DVC_STAGE"), "do_not_track": os.environ.get("DO_NOT_TRACK"),
+                      "rand": float(numpy.random.random()), "main": __name__,
+                      "sighup_ignored": signal.getsignal(signal.SIGHUP) is signal.SIG_IGN}), flush=True)
+    print("a line on stderr", file=sys.stderr, flush=True)
+    if "--raise" in sys.argv:
+        raise ValueError("boom in the stage")
+    if "--sleep" in sys.argv:
+        time.sleep(60)
+    sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]) if "--exit" in sys.argv else 0)
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -54,9 +62,10 @@ def _env(**extra) -> dict[str, str]:
 
 @pytest.fixture
 def server(workdir):
-    """A server for `pkg.*` in `workdir` (it preloads `json` and `numpy.random`: the mechanism, not the speed)."""
+    """A server for `pkg.*` in `workdir` (it preloads `json`, `numpy.random` and the stage module itself, as the real server preloads the
+    stage flows: the mechanism, not the speed)."""
     sock = workdir / "server.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "flows.stage_server", "--socket", str(sock), "--preload", "json", "numpy.random",
+    proc = subprocess.Popen([sys.executable, "-m", "flows.stage_server", "--socket", str(sock), "--preload", "json", "numpy.random", "pkg.hello",
                              "--modules", "pkg."], cwd=workdir, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     t0 = time.monotonic()
@@ -89,7 +98,8 @@ def test_a_served_stage_is_a_forked_child_with_the_clients_argv_env_stdio_and_st
     assert (rc, seen["argv"], seen["stage"], seen["main"]) == (3, ["--item", "a b", "--exit", "3"], "tokenize", "__main__")
     assert Path(seen["cwd"]) == workdir
     assert seen["do_not_track"] == "true"  # what importing `flows` sets, as in a fresh process
-    assert err.strip() == "a line on stderr"
+    assert err.strip() == "a line on stderr"  # no runpy warning about the preloaded copy of the module
+    assert not seen["sighup_ignored"]
 
 
 def test_each_child_draws_fresh_randomness(workdir, server):
@@ -193,6 +203,16 @@ def test_the_preloaded_libraries_leave_only_fork_safe_threads():
     server refuse (pyarrow's jemalloc purger is the one named exception)."""
     code = ("import importlib\nfrom flows.stage_server import PRELOAD, unsafe_threads\n"
             "for name in PRELOAD:\n    importlib.import_module(name)\nprint(unsafe_threads())")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}  # as `make run` starts it: BLAS pools start
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_signal_the_client_ignores_stays_ignored_in_the_stage(workdir, server):
+    """`nohup dvc repro`: a fresh stage process inherits SIGHUP ignored; so does a served one."""
+    proc, sock = server
+    client = _client(workdir, sock, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    out, err = client.communicate(timeout=60)
+    seen = json.loads(out.splitlines()[0])
+    assert seen["ppid"] == proc.pid and seen["sighup_ignored"], (seen, err)

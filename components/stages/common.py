@@ -56,7 +56,7 @@ def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: 
     a different number of processes."""
     compute = params.compute.model_dump(mode="json")
     compute.pop("nproc", None)
-    starts = {Path(p).as_posix(): tree_digest(p)[0] for p in inputs if Path(p).exists()}
+    starts = [tree_digest(p)[0] if Path(p).exists() else None for p in inputs]  # by content, not by path
     blob = json.dumps({"params": params.section_digest(*sections, "data", "tokenize"), "compute": compute,
                        "corpus": corpus_digest(corpus_dir), "code": code_digest(), "inputs": starts}, sort_keys=True)
     return CHECKPOINTS / stage / hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -123,7 +123,8 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
         save_encoder(model, tokenizer, INIT_ENCODER if stage == "pretrain_retromae" else out / "init_encoder")
         if warm is not None and hasattr(run, "set_tags"):
             run.set_tags({"rr.warm_start": warm, "rr.head_warmup_steps": params.warm_start.head_warmup_steps})
-    ckpt_root = checkpoint_dir(stage, params, ["retromae", "warm_start"] if stage == "pretrain_retromae" else ["retromae", "mlm", "warm_start"])
+    ckpt_root = checkpoint_dir(stage, params, ["retromae", "warm_start"] if stage == "pretrain_retromae" else ["retromae", "mlm", "warm_start"],
+                               inputs=[warm] if warm is not None else [])  # the warm start by content (a hub name: by name)
     log_fn = RankZeroLogger(run)
     head = {"head_warmup_steps": 0}
     if params.warm_start.head_warmup_steps:
