@@ -42,9 +42,11 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from components.config import REALM_ARMS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workspace", type=Path, default=Path("."), help="folder with params.yaml, data/tokens, models/realm")
-    ap.add_argument("--arm", default="refreshed", choices=["refreshed", "stale"], help="pretrain_realm arm: refreshed (models/realm) or stale (models/realm-stale)")
+    ap.add_argument("--arm", default="refreshed", choices=REALM_ARMS, help="pretrain_realm arm: refreshed (models/realm) or stale (models/realm-stale)")
     ap.add_argument("--queries", type=int, default=96, help="masked queries measured (whole batches)")
     ap.add_argument("--batch-size", type=int, default=8, help="queries per retriever-gradient batch (REALM's B)")
     ap.add_argument("--seed", type=int, default=0, help="which queries, documents and question batches")

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from components import paths
+from components.config import REALM_ARMS
 from components.eval.comparisons import per_query_path, read_per_query, run_comparisons, Comparison
 from components.eval.significance import paired_test, per_query_metric
 from tests.conftest import build_data_and_encoders, tiny_params
@@ -72,7 +73,7 @@ def world(tmp_path_factory):
         _save_random_encoder(p, tok, paths.INIT_ENCODER, 1)
         _save_random_encoder(p, tok, paths.MLM_ENCODER, 2)
         _save_sentence_transformers(tok, root / "warm")
-        realm = {arm: train_realm(p, None, log_artifacts=False, arm=arm) for arm in ("refreshed", "stale")}
+        realm = {arm: train_realm(p, None, log_artifacts=False, arm=arm) for arm in REALM_ARMS}
         retrievers = {f"{s}-{n}": finetune_retriever(p, None, f"{s}-{n}") for s in p.finetune.retrieval_inits
                       for n in p.finetune.train_sizes}
         readers = {s: finetune_reader(p, None, s) for s in ("bm25", "realm", "realm-stale")}
