@@ -69,6 +69,13 @@ def stage_outs(stage: str) -> list[Path]:
             "pretrain_mlm": [MLM_OUT], "evaluate": [METRICS / "eval"]}[group]
 
 
+def loss_curve(stage: str) -> Path:
+    """plots/loss_<stage>.csv: a pre-training stage's loss per logged step (`step,loss`), a DVC out
+    that `dvc plots show` draws and evaluate's training-curve figure reads (REALM's refreshed arm is
+    plots/loss_pretrain_realm.csv, the stale arm plots/loss_pretrain_realm_stale.csv)."""
+    return PLOTS / f"loss_{stage.removesuffix('@refreshed').replace('@', '_')}.csv"
+
+
 def stage_metrics(stage: str) -> Path:
     """metrics/<stage>.json: the stage summary that dvc.yaml declares as its metrics file (`@` -> `_`:
     metrics/finetune_retriever_retromae-32.json)."""

@@ -47,7 +47,7 @@ def run_arm(params, workspace: Path) -> dict:
         os.chdir(tmp)
         try:
             t0 = time.perf_counter()
-            summary = train_realm(params, None, log_artifacts=False)
+            summary = train_realm(params, None)
             summary["wall_s"] = round(time.perf_counter() - t0, 1)
             rows = [r for r in _csv_rows(tmp / "plots" / "realm_refresh.csv")]
             for name, column in CURVES.items():

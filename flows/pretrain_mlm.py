@@ -10,7 +10,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from components.io import write_text_atomic
-from components.paths import MLM_ENCODER, MLM_OUT, TOKENS, stage_metrics
+from components.paths import MLM_ENCODER, MLM_OUT, TOKENS, loss_curve, stage_metrics
 from components.stages.common import write_stage_metrics
 from components.stages.pretrain_retromae import train_encoder
 from flows._runtime import params_from_env
@@ -32,6 +32,7 @@ def pretrain_mlm_flow() -> dict:
     if not params.mlm.enabled:
         write_text_atomic(MLM_OUT / "DISABLED", "mlm.enabled is false: no MLM baseline was trained\n")
         write_stage_metrics(stage_metrics(STAGE), {"enabled": False})
+        write_text_atomic(loss_curve(STAGE), "step,loss\n")  # a declared out: no rows, no curve drawn
         print(f"{STAGE}: disabled (mlm.enabled: false)")
         return {"enabled": False}
     return run_stage(STAGE, ["retromae", "mlm", "warm_start"], train, params=params, inputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks")],

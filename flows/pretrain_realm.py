@@ -24,10 +24,10 @@ from prefect.cache_policies import NO_CACHE
 from components.config import REALM_ARMS
 from components.paths import REALM_ARM_OUT, RETROMAE_ENCODER, TOKENS
 from components.stages.common import ENV_STAGE_ITEM
-from components.stages.pretrain_realm import train_realm
+from components.stages.pretrain_realm import arm_files, train_realm
 from flows import run_main
 from flows._torchrun import run_training
-from flows._stage import Dataset, Model, run_stage
+from flows._stage import Artifact, Dataset, Model, run_stage
 
 STAGE = "pretrain_realm"
 
@@ -61,12 +61,15 @@ def _metrics(summary: dict) -> dict:
 def pretrain_realm_flow(arm: str = "refreshed") -> dict:
     os.environ[ENV_STAGE_ITEM] = arm  # the body (and torchrun's ranks) read it
     out, name = REALM_ARM_OUT[arm], "realm" if arm == "refreshed" else f"realm-{arm}"
-    # The body logs the retriever, reader, final index and card itself (its artifacts).
+    _, summary, plot = arm_files(arm)
     return run_stage(f"{STAGE}@{arm}", ["realm"], train, metrics=_metrics, step=lambda summary: int(summary.get("step", 0)),
                      inputs=[Dataset(TOKENS / "blocks", "retrieval_blocks"),
                              Dataset(RETROMAE_ENCODER, "retromae_encoder", optional=True)],
                      models=[Model(out / "retriever", f"{name}-retriever", "sentence_transformers"),
-                             Model(out / "knowledge_augmented_encoder", f"{name}-knowledge-augmented-encoder", task="fill-mask")])
+                             Model(out / "knowledge_augmented_encoder", f"{name}-knowledge-augmented-encoder", task="fill-mask")],
+                     artifacts=[*(Artifact(out / sub, sub) for sub in ("retriever", "knowledge_augmented_encoder")),
+                                Artifact(out / "index" / "final", "index_final"), Artifact(out / "model_card.md"),
+                                Artifact(plot), Artifact(summary)])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,8 @@
 
 The bug this guards: a finished run's final checkpoint was keyed by params and data alone, so a
 stage that DVC reran because its start encoder (an upstream model) or the code changed "resumed" at
-its last step, trained nothing and wrote the stale model again.
+its last step, trained nothing and wrote the stale model again. Where two stages do run the same
+computation (a shared phase), the same key is what lets the second resume the first's result.
 """
 
 from __future__ import annotations
@@ -67,3 +68,33 @@ def test_a_rerun_after_the_start_encoder_changed_trains_instead_of_resuming(tmp_
     third = finetune_retriever(params, item="retromae-all")
     assert not third.get("resumed_from"), third
     assert any(not torch.equal(trained[k], v) for k, v in weights().items())
+
+
+def test_shared_phase_lets_one_stage_train_at_a_time(tmp_path):
+    """Two stages entering the same shared phase (threads here: an flock is per open file, so two
+    opens in one process exclude each other as two processes do): the second waits for the first."""
+    import threading
+    import time
+
+    from components.stages.common import shared_phase
+
+    events: list[str] = []
+    inside = threading.Event()
+
+    def stage(name: str, hold: float, ready: threading.Event | None = None) -> None:
+        with shared_phase(tmp_path / "phase", name):
+            events.append(f"{name} in")
+            if ready is not None:
+                ready.set()
+            time.sleep(hold)
+            events.append(f"{name} out")
+
+    a = threading.Thread(target=stage, args=("a", 0.5, inside))
+    a.start()
+    inside.wait(10)
+    b = threading.Thread(target=stage, args=("b", 0.0))
+    b.start()
+    a.join(10)
+    b.join(10)
+    assert events == ["a in", "a out", "b in", "b out"]
+    assert (tmp_path / "phase" / ".lock").exists()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from components import paths
+from components.config import REALM_ARMS
 from components.eval.headline import write_headline
 from tests.conftest import ROOT
 
@@ -78,6 +80,8 @@ def test_plots_have_a_definition_for_each_curve():
     assert recall["y"] == {"plots/recall_at_k.csv": "recall"}
     assert set(plots["realm_refresh"]["y"]["plots/realm_refresh.csv"]) >= {"heldout_recall_at_k", "staleness"}
     assert {"metrics/eval/recall_at_k.png", "metrics/eval/training_curves.png"} <= set(plots)  # images: no JS
+    stages = ["pretrain_retromae", "pretrain_mlm", *(f"pretrain_realm@{arm}" for arm in REALM_ARMS)]
+    assert plots["training_loss"]["y"] == {str(paths.loss_curve(s)): "loss" for s in stages}
     # a plots file is declared once, as a stage's output, and drawn only by the top-level definitions
     assert not any(st.get("plots") for st in spec["stages"].values())
 

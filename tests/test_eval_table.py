@@ -14,6 +14,7 @@ mix-up of start folders shows), both tiny REALM arms, then every `finetune_retri
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 from pathlib import Path
@@ -73,7 +74,7 @@ def world(tmp_path_factory):
         _save_random_encoder(p, tok, paths.INIT_ENCODER, 1)
         _save_random_encoder(p, tok, paths.MLM_ENCODER, 2)
         _save_sentence_transformers(tok, root / "warm")
-        realm = {arm: train_realm(p, None, log_artifacts=False, arm=arm) for arm in REALM_ARMS}
+        realm = {arm: train_realm(p, None, arm=arm) for arm in REALM_ARMS}
         retrievers = {f"{s}-{n}": finetune_retriever(p, None, f"{s}-{n}") for s in p.finetune.retrieval_inits
                       for n in p.finetune.train_sizes}
         readers = {s: finetune_reader(p, None, s) for s in ("bm25", "realm", "realm-stale")}
@@ -115,8 +116,6 @@ def test_each_ft_row_fine_tunes_from_the_encoder_it_names(world):
 # RetroMAE's claim as a label-efficiency curve: plots/label_efficiency.csv, its PNG, per-size tests
 # ----------------------------------------------------------------------------------------------
 def _curve_csv(root: Path) -> list[dict]:
-    import csv
-
     return list(csv.DictReader((root / "plots/label_efficiency.csv").open()))
 
 
@@ -353,6 +352,52 @@ def test_each_reader_runs_the_gold_phase_from_its_own_arm(world, monkeypatch):
     gold, system = starts
     assert all(torch.equal(gold[k], init[k]) for k in init if k in gold and "qa_outputs" not in k)  # the arm's encoder
     assert not all(torch.equal(system[k], gold[k]) for k in gold)  # the top-k phase starts after the gold phase trained
+
+
+def test_the_training_curve_figure_reads_the_stages_loss_files(world):
+    """evaluate draws REALM's loss from each arm's plots/loss_*.csv (a DVC out), with no MLflow run."""
+    with (world["root"] / "metrics/eval/training_curves.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for arm in REALM_ARMS:
+        with (world["root"] / paths.loss_curve(f"pretrain_realm@{arm}")).open(newline="") as f:
+            own = [(float(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+        drawn = [(float(r["step"]), float(r["value"])) for r in rows if r["name"] == f"pretrain_realm@{arm} loss"]
+        assert own and drawn == own, arm
+        assert own[-1][1] == pytest.approx(world["realm"][arm]["final_loss"])
+
+
+def test_readers_from_one_encoder_share_the_gold_phase(world, monkeypatch):
+    """bm25's and realm's readers start from the same encoder (the refreshed arm's), so their
+    own-paragraph phase is one computation: whichever stage runs second resumes it, and starts its
+    top-k phase from the same weights. realm-stale's reader, from its own arm, trains its own."""
+    from components.stages.finetune_reader import finetune_reader
+    from components.training import finetune as lib
+
+    from components.io import tree_digest
+
+    readers = world["readers"]  # run in the order bm25, realm, realm-stale
+    steps = readers["bm25"]["qa.gold.steps"]
+    assert readers["bm25"]["qa.gold.resumed_from"] == 0 and readers["realm"]["qa.gold.resumed_from"] == steps
+    # keyed by content: the stale arm's encoder shares the phase only where it is byte-identical
+    arms = [tree_digest(world["root"] / out / "knowledge_augmented_encoder")[0] for out in (paths.REALM_OUT, paths.REALM_STALE_OUT)]
+    assert readers["realm-stale"]["qa.gold.resumed_from"] == (steps if arms[0] == arms[1] else 0)
+    assert readers["realm"]["qa.gold.final_loss"] == readers["bm25"]["qa.gold.final_loss"]
+
+    handed: dict[str, dict] = {}  # system -> the reader weights its top-k phase starts from
+    real_trainer = lib.Trainer
+
+    def spy(model, *args, **kw):
+        if kw.get("param_prefix") == "finetune.qa_train":
+            handed[current] = {k: v.clone() for k, v in model.reader.state_dict().items()}
+        return real_trainer(model, *args, **kw)
+
+    monkeypatch.setattr(lib, "Trainer", spy)
+    monkeypatch.setattr("components.stages.common.CHECKPOINTS", world["root"] / "shared_gold")  # fresh runs
+    monkeypatch.setattr(paths, "FINETUNE_OPEN_QA", world["root"] / "shared_gold_out")
+    with contextlib.chdir(world["root"]):
+        for current in ("realm", "bm25"):  # the other order this time
+            finetune_reader(world["params"], None, current)
+    assert all(torch.equal(handed["realm"][k], handed["bm25"][k]) for k in handed["realm"])
 
 
 def test_bm25_reader_scores_blocks_uniformly():

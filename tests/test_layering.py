@@ -153,6 +153,15 @@ def test_components_never_import_prefect():
     assert not bad, "components/ is a plain library; only flows/ may import prefect:\n  " + "\n  ".join(bad)
 
 
+def test_only_the_stage_layer_talks_to_mlflow():
+    """The record of a run has one home: data, models, index, training and eval take a `run` or a
+    `log_fn` and never import MLflow themselves (docs/architecture.md, "The record of a run")."""
+    bad = [f"{p.relative_to(ROOT)}:{line}: `{src}`" for p in project_modules()
+           if (layer := layer_of(module_name(p))) is not None and RANK[layer] < RANK["stages"]
+           for line, name, src in imports(p) if name.split(".")[0] == "mlflow"]
+    assert not bad, "a library module below stages/ imports mlflow (take a run / log_fn instead):\n  " + "\n  ".join(bad)
+
+
 def test_bench_never_imports_experiments():
     """Outside the package, imports point one way too: a study in experiments/ may use a bench helper
     (bench/workspace.py), a benchmark never reaches for a study (bench/ and experiments/ READMEs)."""

@@ -37,7 +37,7 @@ def trained(world, tmp_path_factory) -> Path:  # noqa: F811
     cwd = os.getcwd()
     os.chdir(root)
     try:
-        train_realm(tiny_params(), None, log_artifacts=False)
+        train_realm(tiny_params(), None)
     finally:
         os.chdir(cwd)
     return root

@@ -63,7 +63,7 @@ def ws(world, tmp_path, monkeypatch) -> Path:
 def run_stage(**overrides) -> tuple[dict, str, object]:
     p = tiny_params(**overrides)
     with StageRun("pretrain_realm", p, ["realm"]) as run:
-        summary = stage.train_realm(p, run, log_artifacts=False)
+        summary = stage.train_realm(p, run)
     return summary, run.run_id, p
 
 
@@ -375,6 +375,26 @@ def test_async_refresh_builds_in_the_background_ict_init(ws, monkeypatch):
     assert cadence and all("staleness" in k.data.metrics and k.data.metrics["blocks_per_s"] > 0 for k in cadence)
     assert BlockIndex.load("models/realm/index/final").step == 6
     assert mlflow_client().get_run(run_id).data.tags["realm.retriever_init"] == "ict"
+
+
+def test_the_arms_share_their_warm_ups_the_second_resumes_them(ws):
+    """Both arms start from the same warm-ups (they differ only in the refresh cadence): the first
+    trains them, the second resumes their final checkpoints and starts REALM from the same model."""
+    p = tiny_params(**{"realm.refresh_mode": "sync", "realm.retriever_init": "ict"})
+    arms = {}
+    for arm in ("refreshed", "stale"):
+        with StageRun(f"pretrain_realm@{arm}", p, ["realm"]) as run:
+            arms[arm] = (stage.train_realm(p, run, arm=arm), run.run_id)
+    (first, first_id), (second, second_id) = arms["refreshed"], arms["stale"]
+    assert first["ict_resumed_from"] == 0 and first["reader_warmup_resumed_from"] == 0
+    assert second["ict_resumed_from"] == p.realm.ict_steps and second["reader_warmup_resumed_from"] == p.realm.reader_warmup_steps
+    assert metric_steps(first_id, "reader_warmup_loss") and not metric_steps(second_id, "reader_warmup_loss")  # trained once
+    for key in ("reader_warmup_final_reader_acc", "ict_final_ict_acc"):
+        assert second[key] == first[key]
+    # the same model before the first REALM step: the same first index, the same held-out accuracy at the start
+    for key in ("eval_mlm_acc_start", "heldout_recall_at_k_start", "recall_at_k_start"):
+        assert second[key] == first[key], key
+    assert stage.checkpoint_root(p.model_copy(update={"realm": p.realm.for_arm("stale")}), "stale") != stage.checkpoint_root(p)
 
 
 def test_refresh_every_zero_never_refreshes_during_training(ws):

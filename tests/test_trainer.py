@@ -249,6 +249,24 @@ def test_mixed_precision_trains_and_resumes(tmp_path, precision):
         assert again.scaler.get_scale() == t.scaler.get_scale()
 
 
+def test_a_finished_run_resumed_returns_its_weights_metrics_and_rng(tmp_path):
+    """What a shared phase relies on (`shared_phase`): a second Trainer on the same folder trains
+    nothing, and leaves the model, the final metrics and the RNG where the first run left them."""
+    first = make_trainer(tmp_path, model=TinyLM(dropout=0.1), max_steps=4, checkpoint_every=2)
+    done = first.fit()
+    after_first = torch.rand(3)  # the RNG stream right after a trained phase
+
+    second = make_trainer(tmp_path, model=TinyLM(dropout=0.1), max_steps=4, checkpoint_every=2)
+    again = second.fit()
+    assert again.resumed_from == 4 and again.step == 4
+    # the summary of the run that trained (all but the machine's own measurements of that window)
+    assert again.metrics == {k: v for k, v in done.metrics.items() if k not in ("samples_per_s", "tokens_per_s", "rss_mb")}
+    assert {"loss", "acc", "grad_norm", "lr"} <= set(again.metrics)
+    trained, resumed = params_of(first.raw_model), params_of(second.raw_model)
+    assert all(torch.equal(trained[k], resumed[k]) for k in trained)
+    assert torch.equal(torch.rand(3), after_first)  # what follows the phase draws the same numbers
+
+
 # ----------------------------------------------------------------------------------------------
 # per-group learning rates (warm_start.head_lr: a fresh head beside a pre-trained body)
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ tiny corpus's own tokenizer, so the stage tests run in seconds. No thresholds on
 
 from __future__ import annotations
 
+import csv
 import shutil
 from pathlib import Path
 
@@ -234,6 +235,12 @@ def test_both_stages_start_from_the_warm_start_folder(ws):
         assert any(not torch.equal(final[k], warm[k]) for k in warm), f"{stage}: pre-training did not move the encoder"
         cfg = load_encoder(out / "encoder").config
         assert (cfg.hidden_size, cfg.num_hidden_layers) == (32, 2)  # the folder's size, not retromae.encoder's (1 layer)
+        # the loss curve (a DVC out): the joint phase's windows only, not the head warm-up's
+        with paths.loss_curve(stage).open(newline="") as f:
+            curve = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+        train = p.retromae.train
+        assert [s for s, _ in curve] == sorted({*range(p.tracking.log_every, train.max_steps + 1, p.tracking.log_every), train.max_steps})
+        assert curve[-1][1] == pytest.approx(summary["final_loss"])
     # one starting point for both: the MLM stage's init_encoder is RetroMAE's
     a, b = _encoder_tensors(paths.INIT_ENCODER), _encoder_tensors(paths.MLM_OUT / "init_encoder")
     assert all(torch.equal(a[k], b[k]) for k in a)

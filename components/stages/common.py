@@ -3,12 +3,14 @@ rank-0 MLflow logging (resumed through MLFLOW_RUN_ID under torchrun), and the to
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from components.config import Params, load_params
 from components.io import tree_digest, write_json_atomic
@@ -62,6 +64,36 @@ def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: 
     return CHECKPOINTS / stage / hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+@contextmanager
+def shared_phase(folder: Path, what: str) -> Iterator[Path]:
+    """A training phase that several stages run identically (the same params, code, data and start,
+    so `checkpoint_dir` gives them one folder): bm25's and realm's readers share the own-paragraph
+    phase, REALM's two arms their warm-ups. Inside, one stage at a time trains into `folder`; a stage
+    that comes later (or waited here while another trained) resumes the finished phase from its last
+    checkpoint instead of training it again (`Trainer.fit` returns at once, weights, RNG and final
+    metrics restored).
+
+    The lock is an flock on `folder/.lock`, held by rank 0 only; the other ranks wait at a barrier, so
+    under torchrun a wait longer than the process group's timeout (30 min) fails the stage."""
+    from components.training import distributed as D
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = None
+    if D.is_rank0():
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s: another stage is training the same phase in %s; waiting, then resuming its result", what, folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    D.barrier()
+    try:
+        yield folder
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
 class RankZeroLogger:
     """`log_fn(metrics, step)` for the Trainer: logs only on rank 0, through a StageRun."""
 
@@ -71,6 +103,35 @@ class RankZeroLogger:
     def __call__(self, metrics: dict[str, float], step: int) -> None:
         if self.run is not None:
             self.run.log_metrics(metrics, step)
+
+
+class MetricRecorder(RankZeroLogger):
+    """A RankZeroLogger that also keeps every logged window, for the summary (`tail_mean`) and for
+    the stage's loss curve, a DVC-tracked file (`write_curve`): what evaluate and `dvc plots show`
+    draw, so no DVC output depends on the MLflow store."""
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.windows: list[tuple[int, dict]] = []
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        self.windows.append((step, dict(metrics)))
+        super().__call__(metrics, step)
+
+    def tail_mean(self, key: str, max_steps: int, frac: float = 0.1) -> float | None:
+        """Mean of `key` over the last `frac` of the steps: less noisy than the last window."""
+        import numpy as np
+
+        lo = max_steps - max(1, int(round(frac * max_steps)))
+        vals = [m[key] for s, m in self.windows if s > lo and key in m]
+        return float(np.mean(vals)) if vals else None
+
+    def write_curve(self, path: str | os.PathLike, key: str = "loss") -> Path:
+        """`step,<key>` for every window that logged `key` (a resumed run: the steps since the resume)."""
+        from components.io import write_text_atomic
+
+        rows = [f"{s},{m[key]!r}" for s, m in self.windows if key in m]
+        return write_text_atomic(path, "\n".join([f"step,{key}", *rows]) + "\n")
 
 
 def write_stage_metrics(path: str | os.PathLike, metrics: dict) -> dict:

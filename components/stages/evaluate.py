@@ -27,11 +27,12 @@ plots/recall_at_k.csv and plots/label_efficiency.csv (dvc plots).
 
 from __future__ import annotations
 
+import csv
 import logging
 
 import torch
 
-from components.config import Params
+from components.config import REALM_ARMS, Params
 from components.data.finetune_data import load_pairs
 from components.data.tokenize import load_tokenizer
 from components.eval.comparisons import paper_comparisons, run_comparisons
@@ -40,8 +41,7 @@ from components.eval.headline import write_headline
 from components.eval.report import curve_csv, report_markdown, write_report
 from components.eval.rows import eval_sets, qa_rows, retrieval_rows
 from components.io import write_json_atomic, write_text_atomic
-from components.paths import CORPUS, METRICS, PLOTS, TOKENS
-from components.tracking import latest_stage_run
+from components.paths import CORPUS, METRICS, PLOTS, TOKENS, loss_curve
 from components.training.precision import autocast_for
 
 log = logging.getLogger(__name__)
@@ -63,17 +63,15 @@ def title_line(params: Params) -> str:
     return f"{banner} | evaluate.split: {ev.split}" if banner else f"evaluate.split: {ev.split}"
 
 
-def training_curves(run) -> dict[str, list[tuple[float, float]]]:
-    """Loss curves of the latest finished pre-training runs, fetched from MLflow (the record)."""
-    if run is None:
-        return {}
+def training_curves() -> dict[str, list[tuple[float, float]]]:
+    """The pre-training stages' loss curves, from their DVC outs (`paths.loss_curve`): the figure
+    follows the models this evaluate reads, never whatever ran last in the MLflow store."""
     curves = {}
-    exp = run.client.get_experiment_by_name(run.params.tracking.experiment)
-    for stage in ("pretrain_retromae", "pretrain_mlm", "pretrain_realm@refreshed", "pretrain_realm@stale"):
-        found = latest_stage_run(run.client, [exp.experiment_id], stage)
-        if found is not None:
-            hist = run.client.get_metric_history(found.info.run_id, "loss")
-            curves[f"{stage} loss"] = [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)]
+    for stage in ("pretrain_retromae", "pretrain_mlm", *(f"pretrain_realm@{arm}" for arm in REALM_ARMS)):
+        path = loss_curve(stage)
+        if path.exists():
+            with path.open(newline="") as f:
+                curves[f"{stage} loss"] = [(float(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
     return {k: v for k, v in curves.items() if v}
 
 
@@ -101,7 +99,7 @@ def evaluate(params: Params, run=None) -> dict:
     train = CORPUS / "beir/qrels/train.tsv"
     n_train = len(load_pairs(CORPUS, "train", with_answers=False)) if train.exists() else 0  # what `all` trains on
     points, tests = curve_points(rows, ft, n_train), size_tests(comparisons, ft, n_train)
-    write_report(out_dir, rows, training_curves(run), title=title, comparisons=comparisons, label_efficiency=points,
+    write_report(out_dir, rows, training_curves(), title=title, comparisons=comparisons, label_efficiency=points,
                  size_tests=tests)
     recall_csv = out_dir / "recall_at_k.csv"
     if recall_csv.exists():

@@ -11,8 +11,9 @@ its REALM arm wrote no retriever / index) and metrics/finetune_reader_<system>.j
 
 Every reader runs the same recipe from its own arm's encoder: the own-paragraph phase
 (`finetune.qa_gold_steps`, no retriever) and then `finetune.qa_train` over the system's top k. The
-phase runs in each reader's stage, not once for all, because the readers of the two REALM arms start
-from different encoders.
+own-paragraph phase reads no retriever, so readers that start from the same encoder (bm25's and
+realm's: the refreshed arm's) share it: its checkpoint folder is keyed by that encoder, not by the
+system, and the stage that comes second resumes the finished phase (`shared_phase`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from components.config import Params
 from components.data.finetune_data import load_qa
 from components.data.tokenize import load_tokenizer
 from components.paths import CORPUS, TOKENS, reader_out
-from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, skip_stage
+from components.stages.common import (ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, shared_phase,
+                                      skip_stage)
 from components.training.batches import seed_everything
-from components.training.finetune import READER_SECTIONS, new_reader, qa_inputs_exist, reader_inputs, train_gold_reader, train_reader
+from components.training.finetune import (READER_SECTIONS, new_reader, qa_inputs_exist, reader_init_folder, reader_inputs,
+                                         train_gold_reader, train_reader)
 from components.training.trainer import prefixed
 
 log = logging.getLogger(__name__)
@@ -62,9 +65,9 @@ def finetune_reader(params: Params, run=None, item: str | None = None) -> dict:
     seed_everything(params.compute.seed)  # the fresh span head: the same weights in every run of this stage
     reader = new_reader(ft, system=system)
     starts = reader_inputs(system)  # the arm's encoder, query tower and index: an upstream change starts afresh
-    reader, summary = train_gold_reader(params, tokenizer, blocks, qa, reader,
-                                        checkpoint_dir(f"finetune_qa_gold_{system}", params, READER_SECTIONS, inputs=starts),
-                                        log_fn)
+    gold = checkpoint_dir("finetune_qa_gold", params, READER_SECTIONS, inputs=[reader_init_folder(system)])
+    with shared_phase(gold, f"{stage} own-paragraph phase"):
+        reader, summary = train_gold_reader(params, tokenizer, blocks, qa, reader, gold, log_fn)
     model, result = train_reader(params, tokenizer, system, blocks, qa, reader,
                                  checkpoint_dir(f"finetune_qa_{system}", params, READER_SECTIONS, inputs=starts),
                                  prefixed(log_fn, f"qa.{system}."))

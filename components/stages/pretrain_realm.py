@@ -15,7 +15,8 @@ final index.
    held-out blocks whose fixed masked queries never train; they stay in the index (knowledge, not
    questions). The probe sets: components/eval/realm_probes.py.
 2. The model: `build_model` (components/models/realm.py) with the ICT warm-up of the retriever,
-   then the reader warm-up (components/training/warmups.py). `realm.freeze_reader` then freezes
+   then the reader warm-up (components/training/warmups.py). The arms share them: whichever runs
+   first trains them into `warmup_root`, the other resumes their finished checkpoints. `realm.freeze_reader` then freezes
    the reader; `realm.train.retriever_lr` gives the retriever its own lr group.
 3. Training: the shared Trainer on `RealmCollator` batches (salient-span masked queries, the
    candidates searched in the CURRENT index, slot 0 the null document; REALM.forward rescores them
@@ -57,7 +58,8 @@ from components.index.faiss_index import IndexStore
 from components.index.realm_refresh import IndexRefresh, RefreshContext, RefreshWrapper
 from components.io import atomic_dir, write_json_atomic, write_text_atomic
 from components.models.realm import REALM_CONFIG, build_model
-from components.stages.common import ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
+from components.stages.common import (ENV_STAGE_ITEM, MetricRecorder, RankZeroLogger, checkpoint_dir, shared_phase,
+                                      torchrun_worker, write_stage_metrics)
 from components.training import distributed as D
 from components.training.optim import LrGroup
 from components.training.precision import autocast_for
@@ -78,28 +80,16 @@ def arm_files(arm: str) -> tuple[Path, Path, Path]:
 
 def checkpoint_root(params: Params, arm: str = "refreshed", corpus_dir: Path = paths.CORPUS,
                     retromae_dir: Path = paths.RETROMAE_ENCODER) -> Path:
-    """The arm's checkpoint folder (its warm-ups, training steps and index versions), keyed by the
+    """The arm's checkpoint folder (its training steps and index versions), keyed by the
     realm and retromae params and by the encoder it starts from (`params`: the arm's own, `for_arm`)."""
     return checkpoint_dir(STAGE if arm == "refreshed" else f"{STAGE}_{arm}", params, ["realm", "retromae"], corpus_dir,
                           inputs=[retromae_dir])
 
 
-class _Recorder:
-    """log_fn for the Trainer: forwards to MLflow (rank 0) and keeps the windows for the summary."""
-
-    def __init__(self, run):
-        self.forward = RankZeroLogger(run)
-        self.windows: list[tuple[int, dict]] = []
-
-    def __call__(self, metrics: dict[str, float], step: int) -> None:
-        self.windows.append((step, dict(metrics)))
-        self.forward(metrics, step)
-
-    def tail_mean(self, key: str, max_steps: int, frac: float = 0.1) -> float | None:
-        """Mean of `key` over the last `frac` of the steps: less noisy than the last window."""
-        lo = max_steps - max(1, int(round(frac * max_steps)))
-        vals = [m[key] for s, m in self.windows if s > lo and key in m]
-        return float(np.mean(vals)) if vals else None
+def warmup_root(params: Params, corpus_dir: Path = paths.CORPUS, retromae_dir: Path = paths.RETROMAE_ENCODER) -> Path:
+    """The warm-ups' checkpoint folder (ICT, the reader's), shared by the arms: they differ only in
+    their refresh cadence, which no warm-up reads (`params`: before `for_arm`)."""
+    return checkpoint_dir(f"{STAGE}_warmup", params, ["realm", "retromae"], corpus_dir, inputs=[retromae_dir])
 
 
 def _split_rows(blocks, p, special: SpecialTokens, seed: int) -> tuple[list[int], list[int], list[RealmQuery], dict]:
@@ -162,7 +152,6 @@ def train_realm(
     out_dir: Path | None = None,
     metrics_path: Path | None = None,
     plot_path: Path | None = None,
-    log_artifacts: bool = True,
     arm: str = "refreshed",
 ) -> dict:
     """Run the stage for one arm (`refreshed` or `stale`); returns the summary also written to
@@ -174,6 +163,7 @@ def train_realm(
 
     from components.data.tokenize import load_tokenizer
 
+    warm_root = warmup_root(params, corpus_dir, retromae_dir)
     params = params.model_copy(update={"realm": params.realm.for_arm(arm)})
     default_out, default_metrics, default_plot = arm_files(arm)
     out_dir, metrics_path, plot_path = out_dir or default_out, metrics_path or default_metrics, plot_path or default_plot
@@ -201,15 +191,18 @@ def train_realm(
              len(blocks), len(train_rows), len(held), len(held_probes) if held_probes else 0,
              main_probes.kind if main_probes else "none", len(main_probes) if main_probes else 0)
 
-    ict = partial(ict_warmup, blocks=blocks, params=params, special=special, out_dir=ckpt_root / "ict",
-                  log_fn=RankZeroLogger(run), exclude=set(held))
-    model, info = build_model(params, tokenizer, retromae_dir, warm_up_retriever=ict)
+    # The warm-ups are the same computation in both arms: the first arm to get here trains them, the
+    # other resumes their final checkpoints (`shared_phase`).
+    with shared_phase(warm_root, f"{STAGE}@{arm} warm-ups"):
+        ict = partial(ict_warmup, blocks=blocks, params=params, special=special, out_dir=warm_root / "ict",
+                      log_fn=RankZeroLogger(run), exclude=set(held))
+        model, info = build_model(params, tokenizer, retromae_dir, warm_up_retriever=ict)
+        if p.reader_warmup_steps:
+            info.update(reader_warmup(model.knowledge_augmented_encoder, blocks, train_rows, params, special,
+                                      warm_root / "reader_warmup", RankZeroLogger(run)))
     ict_retriever = ckpt_root / paths.ICT_RETRIEVER  # the ICT-only control: the retriever REALM starts from
-    if "ict_steps" in info and rank0:  # ICT ran (a resume reruns nothing: ICT restores its final checkpoint)
+    if "ict_steps" in info and rank0:  # ICT ran, or was resumed finished (its final checkpoint's weights)
         model.retriever.save_pretrained(ict_retriever, tokenizer)
-    if p.reader_warmup_steps:
-        info.update(reader_warmup(model.knowledge_augmented_encoder, blocks, train_rows, params, special,
-                                  ckpt_root / "reader_warmup", RankZeroLogger(run)))
     if p.freeze_reader:  # after its warm-up: REALM steps then train the retriever only
         model.freeze_reader()
     if run is not None and rank0:
@@ -224,7 +217,7 @@ def train_realm(
     store = IndexStore(ckpt_root / "index", use_gpu="auto")
     collator = RealmCollator(blocks, p, special, model.retriever, store.search,  # realm.query_tower: who embeds x for the search
                              query_encoder=(lambda: refresh.query_encoder()) if p.query_tower == "index_export" else None)
-    recorder = _Recorder(run)
+    recorder = MetricRecorder(run)
     refresh = IndexRefresh(RefreshContext(blocks.select_columns(passage_columns(p)), block_ids, p, special, stale_x, probe),
                            store, run=run, wrapper=refresh_wrapper, history_path=ckpt_root / "refresh_history.json", rank0=rank0)
     ev_start: dict[str, float] = {}
@@ -306,14 +299,8 @@ def train_realm(
         if "ict_steps" in info:
             shutil.copytree(ict_retriever, tmp / paths.ICT_RETRIEVER)
     write_text_atomic(plot_path, refresh.csv_text())
+    recorder.write_curve(paths.loss_curve(f"{STAGE}@{arm}"))
     summary = write_stage_metrics(metrics_path, summary)
-    if run is not None and log_artifacts:  # the summary numbers are logged by the flow, as for every stage
-        for sub in ("retriever", "knowledge_augmented_encoder"):
-            run.log_artifact(out_dir / sub, artifact_path=sub)  # a large folder becomes a reference
-        run.log_artifact(out_dir / "index" / "final", artifact_path="index_final")
-        run.log_artifact(out_dir / "model_card.md")
-        run.log_artifact(plot_path)
-        run.log_artifact(metrics_path)
     log.info("%s: %s", STAGE, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     D.barrier()
     return summary

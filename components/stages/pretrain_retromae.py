@@ -8,7 +8,7 @@ Outputs (rank 0), under `paths.RETROMAE_OUT` / `paths.MLM_OUT`: `encoder/` (HF f
 loadable with AutoModel / AutoModelForMaskedLM, read with [CLS] pooling), `model_card.md`; the same
 encoder before pre-training, the "init" baseline (`paths.INIT_ENCODER` for RetroMAE, its own out so
 that `finetune_retriever@init-*` does not depend on RetroMAE's training; `init_encoder/` for MLM);
-and `paths.stage_metrics(stage)`.
+`paths.stage_metrics(stage)` and the loss curve `paths.loss_curve(stage)`.
 
 Warm start (`warm_start.path` set): the encoder is loaded from that folder (`retromae.encoder`'s size
 params are ignored, its dropout still applies) and `init_encoder/` is that encoder unchanged. With
@@ -35,8 +35,8 @@ from components.io import write_text_atomic
 from components.models.encoder import frozen_encoder_body, head_param_names, save_encoder, warm_start_path
 from components.models.mlm import MLMModel
 from components.models.retromae import RetroMAE
-from components.paths import INIT_ENCODER, MLM_OUT, RETROMAE_OUT, TOKENS, stage_metrics
-from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_stage_metrics
+from components.paths import INIT_ENCODER, MLM_OUT, RETROMAE_OUT, TOKENS, loss_curve, stage_metrics
+from components.stages.common import MetricRecorder, checkpoint_dir, torchrun_worker, write_stage_metrics
 from components.training import distributed as D
 from components.training.optim import LrGroup, phase_params
 from components.training.trainer import TrainResult, Trainer, prefixed
@@ -125,7 +125,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
             run.set_tags({"rr.warm_start": warm, "rr.head_warmup_steps": params.warm_start.head_warmup_steps})
     ckpt_root = checkpoint_dir(stage, params, ["retromae", "warm_start"] if stage == "pretrain_retromae" else ["retromae", "mlm", "warm_start"],
                                inputs=[warm] if warm is not None else [])  # the warm start by content (a hub name: by name)
-    log_fn = RankZeroLogger(run)
+    log_fn = MetricRecorder(run)
     head = {"head_warmup_steps": 0}
     if params.warm_start.head_warmup_steps:
         res = head_warmup(model, data, collate, params, ckpt_root / "head_warmup", log_fn)
@@ -144,6 +144,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
         write_text_atomic(out / "model_card.md", _model_card(stage, params, result,
                                                              "RetroMAE: masked auto-encoder with enhanced decoding." if stage == "pretrain_retromae"
                                                              else "Plain whole-word MLM baseline, same encoder, data and steps as RetroMAE."))
+        log_fn.write_curve(loss_curve(stage))
         summary = write_stage_metrics(stage_metrics(stage), summary)
     D.barrier()
     return summary

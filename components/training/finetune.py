@@ -179,6 +179,7 @@ def train_gold_reader(params: Params, tokenizer, blocks, qa: list[dict], reader,
                       progress_every=params.tracking.progress_every)
     result = trainer.fit()
     return trainer.raw_model.reader, {"qa.gold.questions": len(rows), "qa.gold.steps": result.step,
+                                      "qa.gold.resumed_from": result.resumed_from or 0,
                                       **{f"qa.gold.final_{k}": v for k, v in result.metrics.items()}}
 
 

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from components.training.trainer import Trainer
 
 
+MACHINE_METRICS = ("samples_per_s", "tokens_per_s", "rss_mb")  # a window's throughput and memory, not the model's
+
+
 def trainer_state(trainer: "Trainer") -> dict[str, Any]:
     """Everything a resume needs besides the weights and the RNG (those are files of their own)."""
     return {
@@ -28,6 +31,9 @@ def trainer_state(trainer: "Trainer") -> dict[str, Any]:
         "scaler": trainer.scaler.state_dict(),
         "bad_steps": trainer.bad_steps,
         "consecutive_bad": trainer.consecutive_bad,
+        # the last logged window, so a resume of a finished run (a shared phase) reports what the run
+        # ended with; not what the machine measured, which would make two identical runs' checkpoints differ
+        "metrics": {k: float(v) for k, v in trainer.last_metrics.items() if k not in MACHINE_METRICS},
     }  # fmt: skip
 
 
@@ -79,6 +85,7 @@ def resume_trainer(trainer: "Trainer") -> None:
     trainer.step = int(state["step"])
     trainer.bad_steps = int(state.get("bad_steps", 0))
     trainer.consecutive_bad = int(state.get("consecutive_bad", 0))
+    trainer.last_metrics = dict(state.get("metrics", {}))
     trainer.resumed_from = trainer.step
     trainer.last_checkpoint = path
     D.barrier()

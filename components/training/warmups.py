@@ -50,7 +50,8 @@ def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_
                       log_every=params.tracking.log_every, param_prefix=f"realm.{name}", progress=False,
                       progress_every=params.tracking.progress_every)
     result = trainer.fit()
-    return {f"{name}_steps": result.step, **{f"{name}_final_{k}": v for k, v in result.metrics.items() if k in report}}
+    return {f"{name}_steps": result.step, f"{name}_resumed_from": result.resumed_from or 0,
+            **{f"{name}_final_{k}": v for k, v in result.metrics.items() if k in report}}
 
 
 # ----------------------------------------------------------------------------------------------
