@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from components.config import DataParams, TokenizeParams  # noqa: E402
+from components.config_stages import DataParams, TokenizeParams  # noqa: E402
 from components.data.prepare import prepare_corpus  # noqa: E402
 from components.data.tokenize import tokenize_corpus  # noqa: E402
 

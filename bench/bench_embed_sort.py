@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_mfu import cpu_model, git_commit  # noqa: E402
 from components.config import load_params  # noqa: E402
 from components.eval.dense import HFEncoder, add_specials  # noqa: E402
-from components.index.refresh import embed_blocks, length_order, row_length  # noqa: E402
+from components.index.embed import embed_blocks, length_order, row_length  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 from components.training.precision import cpu_has_native_bf16  # noqa: E402
 

@@ -39,7 +39,7 @@ SHAPES = {"small": dict(hidden=256, layers=4, heads=4, inter=1024), "tiny": dict
 
 
 def _world(a: argparse.Namespace):
-    from components.config import EncoderParams
+    from components.config_shared import EncoderParams
     from components.models.encoder import build_encoder
 
     s = SHAPES[a.shape]

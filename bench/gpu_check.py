@@ -35,7 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from components.config import EncoderParams, RetroMAEParams  # noqa: E402
+from components.config_shared import EncoderParams  # noqa: E402
+from components.config_stages import RetroMAEParams  # noqa: E402
 from components.data.masking import RetroMAECollator, SpecialTokens  # noqa: E402
 from components.models.encoder import build_encoder  # noqa: E402
 from components.models.retromae import RetroMAE  # noqa: E402

@@ -42,7 +42,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from components.config import REALM_ARMS
+    from components.config_stages import REALM_ARMS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workspace", type=Path, default=Path("."), help="folder with params.yaml, data/tokens, models/realm")

@@ -9,10 +9,10 @@ stage by stage, then `dvc exp save` when params were set.
     prefect deployment run retro-realm/tokenize                # one stage (prefect.yaml)
 
 DVC owns the DAG and the experiments. Overrides and presets are written into params.yaml by DVC's
-own `-S` code (comments and layout stay), so `dvc status` and `dvc.lock` see every value a stage
-runs with. DVC's planner picks the stages (`plan`), each task runs `dvc repro --single-item <stage>`
-(an unchanged stage is skipped by DVC itself), and `dvc exp save` records the run as an experiment
-for `dvc exp show` / `dvc metrics diff`. The same run from the shell:
+own `-S` code (flows/set_params.py: comments and layout stay), so `dvc status` and `dvc.lock` see
+every value a stage runs with. DVC's planner picks the stages (`plan`), each task runs
+`dvc repro --single-item <stage>` (an unchanged stage is skipped by DVC itself), and `dvc exp save`
+records the run as an experiment for `dvc exp show` / `dvc metrics diff`. The same run from the shell:
 `dvc exp run -S retromae.train.max_steps=200` (no Prefect tasks, no MLflow parent run).
 The flow opens the MLflow parent run; every stage process opens its child run under it
 (RR_PARENT_RUN_ID). Without PREFECT_API_URL, one local Prefect API is started for the whole run.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -39,92 +38,15 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from components.config import PARAMS_FILE, ParamsError, load_params
+from components.config import load_params
+from components.config_file import PARAMS_FILE
 from components.paths import METRICS
 from components.tracking import ENV_PARENT, close_run, open_parent_run
 from components.tracking_server import tracking_uri
 from flows._runtime import STAGES, local_prefect_api, prefect_tags
 from flows._stage import eval_rows, mlflow_run_url, publish_eval_artifacts
+from flows.set_params import apply_param_overrides, preset_switch
 from flows.stage_server import stage_server, stage_server_enabled
-
-PRESETS_DIR = Path("params")
-log = logging.getLogger(__name__)
-
-
-def preset_overrides(preset: str) -> dict[str, Any]:
-    """A preset (`paper`, or a path like `params/paper.yaml`) as the dotted keys it sets."""
-    path = Path(preset) if preset.endswith((".yaml", ".yml")) else PRESETS_DIR / f"{preset}.yaml"
-    if not path.is_file():
-        have = sorted(f.stem for f in PRESETS_DIR.glob("*.yaml"))
-        raise ParamsError(f"preset {preset!r}: {path} not found (presets: {have})")
-    return _leaves(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
-
-
-def _leaves(node: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested params dict as its dotted keys: `{"a": {"b": 1}}` -> `{"a.b": 1}`."""
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def _committed_params() -> dict | None:
-    """params.yaml as committed at HEAD (the default a preset switch starts from), or None outside
-    a git checkout."""
-    try:
-        text = subprocess.run(["git", "show", f"HEAD:{PARAMS_FILE}"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return yaml.safe_load(text) or {}
-
-
-def preset_switch(preset: str) -> dict[str, Any]:
-    """What `--preset` writes into params.yaml: the preset's keys, and every key that another preset
-    names reset to its committed value, so presets switch instead of stacking (`tiny` then `small`
-    is small, not small over tiny's world). `default` writes only the reset."""
-    own = {} if preset == "default" else preset_overrides(preset)
-    base = _committed_params()
-    if base is None:
-        log.warning("--preset %s: not a git checkout, so the keys other presets set keep their current values", preset)
-        return own
-    named = set().union(*(preset_overrides(str(f)).keys() for f in sorted(PRESETS_DIR.glob("*.yaml"))))
-    committed = _leaves(base)
-    reset = {key: committed[key] for key in sorted(named - own.keys()) if key in committed}
-    return {**reset, **own}
-
-
-def _hydra_value(v: Any) -> str:
-    """A Python value in Hydra's override grammar, as `dvc exp run -S key=VALUE` reads it."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    if isinstance(v, list):
-        return "[" + ",".join(_hydra_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{_hydra_value(x)}" for k, x in v.items()) + "}"
-    raise ParamsError(f"cannot write {v!r} ({type(v).__name__}) into {PARAMS_FILE}")
-
-
-def set_params_args(overrides: dict[str, Any]) -> list[str]:
-    """The `-S key=value` arguments of `dvc exp run` that set `overrides`."""
-    return [f"{k}={_hydra_value(v)}" for k, v in overrides.items()]
-
-
-def apply_param_overrides(overrides: dict | None, path: str = PARAMS_FILE) -> bool:
-    """Write dotted overrides into params.yaml with DVC's own `dvc exp run -S` code (a round-trip
-    edit: comments, key order and layout stay). Validated first: a bad key writes nothing."""
-    if not overrides:
-        return False
-    from dvc.utils.hydra import apply_overrides
-
-    load_params(path, overrides=overrides)  # raises ParamsError naming the key if invalid
-    apply_overrides(path, set_params_args(overrides))
-    return True
 
 
 def plan(target: str | None = None, upto: str | None = None, only: str | None = None) -> list[str]:

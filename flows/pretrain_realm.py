@@ -21,7 +21,7 @@ from typing import Callable
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from components.config import REALM_ARMS
+from components.config_stages import REALM_ARMS
 from components.paths import REALM_ARM_OUT, RETROMAE_ENCODER, TOKENS
 from components.stages.common import ENV_STAGE_ITEM
 from components.stages.pretrain_realm import arm_files, train_realm

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 
 from components import paths  # noqa: E402
 from components.config import Params, load_params  # noqa: E402
-from flows.pipeline import preset_overrides  # noqa: E402
+from flows.set_params import preset_overrides  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def make_workspace(dest: Path, overrides: dict | None = None) -> Path:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     shutil.copytree(ROOT / ".dvc", dest / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"), dirs_exist_ok=True)
-    from flows.pipeline import apply_param_overrides
+    from flows.set_params import apply_param_overrides
 
     apply_param_overrides({**TINY, **(overrides or {})}, path=str(dest / "params.yaml"))
     env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}

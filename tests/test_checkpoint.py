@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.config import ComputeParams, TrainParams
+from components.config_shared import ComputeParams, TrainParams
 from components.training import checkpoint as ckpt
 from components.training.trainer import Trainer
 from tests.scripts.tiny_train import TinyLM, make_rows, random_mask_collate

@@ -4,7 +4,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from components.config import Params, ParamsError, RealmParams, load_params
+from components.config import Params, load_params
+from components.config_file import ParamsError
+from components.config_stages import RealmParams
 from tests.conftest import ROOT
 
 

@@ -5,7 +5,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from components.config import DataParams
+from components.config_stages import DataParams
 from components.data.corpus import normalize_and_dedupe
 from components.data.errors import DataError
 from components.data.line_readers import read_jsonl, read_txt

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from components.config import ComputeParams
+from components.config_shared import ComputeParams
 from components.training import distributed as D
 
 REPO = Path(__file__).resolve().parents[1]

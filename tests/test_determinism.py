@@ -133,7 +133,7 @@ def test_two_runs_with_the_same_seed_are_identical(tmp_path):
                                         "order, so four trainings may also agree by chance (non-strict: an XPASS is luck, not a fix); "
                                         "remove this marker (and update docs/reliability.md) once a fixed tokenizers is locked")
 def test_tokenizer_training_is_deterministic():
-    from components.config import SplitParams, SyntheticParams
+    from components.config_stages import SplitParams, SyntheticParams
     from components.data.synthetic import generate_world
     from components.data.tokenize import train_wordpiece
 

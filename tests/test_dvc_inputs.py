@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.pipeline import apply_param_overrides, preset_overrides, preset_switch, set_params_args
+from flows.set_params import apply_param_overrides, preset_overrides, preset_switch, set_params_args
 from tests.conftest import ROOT, dvc_stages, make_workspace
 
 ALWAYS = "source_digest"  # always_changed: it re-reads the source on every status / repro

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import apply_param_overrides
+from flows.set_params import apply_param_overrides
 from tests.test_dvc_inputs import _dvc, _locked_workspace, _stale
 
 SIZES = [8, "all"]

@@ -1,4 +1,4 @@
-"""Length bucketing in `refresh.embed_blocks` (the one embed every block / passage path runs through:
+"""Length bucketing in `embed.embed_blocks` (the one embed every block / passage path runs through:
 dense eval, REALM's refresh, its sharded form): rows are embedded longest first and come back in
 the caller's order, with the vectors of batches cut in the caller's order (the slow reference)."""
 
@@ -13,7 +13,7 @@ import torch
 from components.data.realm_batch import passage_batch
 from components.data.special_tokens import SpecialTokens
 from components.eval.dense import HFEncoder, add_specials, add_specials_title_body, encode_token_rows
-from components.index.refresh import embed_and_build, embed_blocks, length_order
+from components.index.embed import embed_and_build, embed_blocks, length_order
 from tests.conftest import tiny_params
 
 VOCAB, PAD, CLS, SEP, MASK = 400, 0, 2, 3, 4

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from components import paths
-from components.config import REALM_ARMS
+from components.config_stages import REALM_ARMS
 from components.eval.comparisons import per_query_path, read_per_query, run_comparisons, Comparison
 from components.eval.significance import paired_test, per_query_metric
 from tests.conftest import build_data_and_encoders, tiny_params

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from components.config import Params, ParamsError, load_params
+from components.config import Params, load_params
+from components.config_file import ParamsError
 from components.data.line_readers import read_jsonl, read_txt
 from components.data.errors import DataError
 from components.data import beir
@@ -300,7 +301,7 @@ def test_params_file_loads_or_names_the_file(data):
 # corpus edge cases
 # ----------------------------------------------------------------------------------------------
 def test_empty_corpus_and_all_bad_corpus_stop_with_the_file_named(tmp_path):
-    from components.config import DataParams
+    from components.config_stages import DataParams
     from components.data.prepare import prepare_corpus
 
     empty = tmp_path / "empty.jsonl"
@@ -319,7 +320,7 @@ def test_document_longer_than_the_block_is_packed_without_loss(tmp_path):
     lands in exactly one block of each kind, in order, and every block fits."""
     import datasets
 
-    from components.config import DataParams, TokenizeParams
+    from components.config_stages import DataParams, TokenizeParams
     from components.data.prepare import prepare_corpus
     from components.data.tokenize import load_tokenizer, tokenize_corpus
 

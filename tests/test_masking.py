@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from components.config import EncoderParams, RetroMAEParams
+from components.config_shared import EncoderParams
+from components.config_stages import RetroMAEParams
 from components.data.masking import (
     IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialTokens, counter_hash, mask_budget,
     whole_word_mask,
@@ -246,7 +247,7 @@ def test_collators_use_the_trainers_step_generator():
     makes a resumed run draw the same masks as an uninterrupted one."""
     import torch
 
-    from components.config import RetroMAEParams
+    from components.config_stages import RetroMAEParams
     from components.data.masking import MLMCollator, RetroMAECollator, SpecialTokens
 
     ids = SpecialTokens(pad=0, cls=2, sep=3, mask=4, vocab_size=100, special=(0, 1, 2, 3, 4))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from components.config import ComputeParams
+from components.config_shared import ComputeParams
 from components.data.masking import RetroMAECollator
 from components.data.special_tokens import SpecialTokens
 from components.models.retromae import RetroMAE

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from components.config import ComputeParams
+from components.config_shared import ComputeParams
 from components.training import distributed as D
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from components.config import EncoderParams, RetroMAEParams, TrainParams
+    from components.config_shared import EncoderParams, TrainParams
+    from components.config_stages import RetroMAEParams
     from components.data.special_tokens import SpecialTokens
     from components.models.retromae import RetroMAE
     from components.training.trainer import Trainer

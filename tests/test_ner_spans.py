@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-from components.config import RealmParams
+from components.config_stages import RealmParams
 from components.data import salient_spans as ss
 from components.data.realm_query import make_query
 from components.data.special_tokens import IGNORE_INDEX

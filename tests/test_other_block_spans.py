@@ -9,7 +9,9 @@ import re
 import numpy as np
 import pytest
 
-from components.config import ParamsError, RealmParams, load_params
+from components.config import load_params
+from components.config_file import ParamsError
+from components.config_stages import RealmParams
 from components.data import realm_query as rq
 from components.data.special_tokens import SpecialTokens
 from tests.conftest import ROOT

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import ParamsError, RealmParams, load_params
+from components.config import load_params
+from components.config_file import ParamsError
+from components.config_stages import RealmParams
 from components.data import realm_batch as rb
 from components.data import realm_query as rq
 from components.data import salient_spans as ss
@@ -271,15 +273,15 @@ def test_spacy_types_reach_the_masked_spans(ruler_nlp):
 # a long refresh logs
 # ----------------------------------------------------------------------------------------------
 def test_embed_blocks_logs_progress_lines(caplog):
-    from components.index import refresh
+    from components.index import embed
 
     rows = [{"input_ids": [1, 2, 3]} for _ in range(10)]
-    with caplog.at_level(logging.INFO, logger=refresh.__name__):
-        emb, _ = refresh.embed_blocks(lambda b: np.zeros((len(b), 4)), rows, 2, progress=False, desc="embed", log_every=4)
-    lines = [r.getMessage() for r in caplog.records if r.name == refresh.__name__]
+    with caplog.at_level(logging.INFO, logger=embed.__name__):
+        emb, _ = embed.embed_blocks(lambda b: np.zeros((len(b), 4)), rows, 2, progress=False, desc="embed", log_every=4)
+    lines = [r.getMessage() for r in caplog.records if r.name == embed.__name__]
     assert emb.shape == (10, 4) and lines == ["embed 4/10 (40%) " + lines[0].split("(40%) ")[1], *lines[1:]]
     assert [ln.split()[1] for ln in lines] == ["4/10", "8/10"]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger=refresh.__name__):
-        refresh.embed_blocks(lambda b: np.zeros((len(b), 4)), rows, 5, progress=False, desc="embed", log_every_s=0.0)
-    assert [r.getMessage().split()[1] for r in caplog.records if r.name == refresh.__name__] == ["5/10", "10/10"]
+    with caplog.at_level(logging.INFO, logger=embed.__name__):
+        embed.embed_blocks(lambda b: np.zeros((len(b), 4)), rows, 5, progress=False, desc="embed", log_every_s=0.0)
+    assert [r.getMessage().split()[1] for r in caplog.records if r.name == embed.__name__] == ["5/10", "10/10"]

@@ -131,7 +131,7 @@ def test_realm_probe_logs_progress_lines(caplog, monkeypatch):
 
 def test_tracking_progress_every_is_a_param(params):
     assert params.tracking.progress_every == 50  # params.yaml
-    from components.config import TrackingParams
+    from components.config_shared import TrackingParams
 
     with pytest.raises(Exception):
         TrackingParams.model_validate({**params.tracking.model_dump(), "progress_every": -1})

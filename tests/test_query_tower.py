@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import RealmParams
+from components.config_stages import RealmParams
 from components.data import realm_batch as rb
 from components.data.realm_query import RealmQuery
 from components.data.special_tokens import SpecialTokens

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.config import ParamsError, load_params
+from components.config import load_params
+from components.config_file import ParamsError
 from components.models.biencoder import BiEncoder
 from components.models.reader import OpenQA, SpanReader
 from components.models.span_scores import NEG, span_valid

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import RealmParams
+from components.config_stages import RealmParams
 from components.data.realm_batch import (
     IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens, build_batch, collate, passage_inputs, retrieve_candidates,
 )

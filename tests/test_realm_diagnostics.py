@@ -26,7 +26,7 @@ from tests.test_realm_stage import world  # noqa: F401  (the module's tiny world
 def trained(world, tmp_path_factory) -> Path:  # noqa: F811
     """A workspace that ran `pretrain_realm@refreshed` (the real stage body, no MLflow run), with its params.yaml."""
     from components.stages.pretrain_realm import train_realm
-    from flows.pipeline import apply_param_overrides
+    from flows.set_params import apply_param_overrides
 
     root = tmp_path_factory.mktemp("realm_diag_ws")
     (root / "models").mkdir()

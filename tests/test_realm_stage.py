@@ -18,7 +18,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-import components.index.refresh as refresh_lib
+import components.index.embed as embed_lib
 import components.stages.pretrain_realm as stage
 from components import paths
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
@@ -353,13 +353,13 @@ def test_sync_refresh_outputs_child_runs_and_step_boundary_swap(ws):
 
 def test_async_refresh_builds_in_the_background_ict_init(ws, monkeypatch):
     threads = []
-    real_embed = refresh_lib.embed_blocks
+    real_embed = embed_lib.embed_blocks
 
     def spy(*a, **kw):
         threads.append(threading.current_thread().name)
         return real_embed(*a, **kw)
 
-    monkeypatch.setattr(refresh_lib, "embed_blocks", spy)
+    monkeypatch.setattr(embed_lib, "embed_blocks", spy)
     summary, run_id, _ = run_stage(**{"realm.refresh_mode": "async", "realm.retriever_init": "ict",
                                       "realm.train.max_steps": 6})
 
@@ -409,7 +409,7 @@ def test_refresh_every_zero_never_refreshes_during_training(ws):
 
 def test_failed_refresh_keeps_the_old_index_and_the_next_cadence_succeeds(ws, monkeypatch):
     calls = []
-    real_embed = refresh_lib.embed_blocks
+    real_embed = embed_lib.embed_blocks
 
     def flaky(*a, **kw):
         calls.append(1)
@@ -417,7 +417,7 @@ def test_failed_refresh_keeps_the_old_index_and_the_next_cadence_succeeds(ws, mo
             raise RuntimeError("injected embed failure")
         return real_embed(*a, **kw)
 
-    monkeypatch.setattr(refresh_lib, "embed_blocks", flaky)
+    monkeypatch.setattr(embed_lib, "embed_blocks", flaky)
     summary, run_id, _ = run_stage(**{"realm.refresh_mode": "sync", "realm.retriever_init": "random",
                                       "realm.train.max_steps": 6})
 
@@ -514,7 +514,7 @@ def test_without_ict_there_is_no_ict_retriever_and_no_row(ws):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_flow_runs_each_refresh_as_a_prefect_subflow(ws, shared_prefect_api, monkeypatch):
-    from flows.pipeline import apply_param_overrides
+    from flows.set_params import apply_param_overrides
 
     (ws / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     apply_param_overrides({**TINY, "realm.refresh_mode": "async", "realm.train.max_steps": 4}, path=str(ws / "params.yaml"))
@@ -554,7 +554,7 @@ def test_torchrun_two_ranks_build_alike_and_only_rank0_publishes(ws):
     half, all-gather, both build the same index), rank 0 alone publishes and writes the outputs, so
     versions are 1..n with no gaps or doubles."""
     from components.training.distributed import torchrun_command
-    from flows.pipeline import apply_param_overrides
+    from flows.set_params import apply_param_overrides
 
     (ws / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     overrides = {**TINY, "compute.nproc": 2, "realm.refresh_mode": "sync", "realm.retriever_init": "retromae", "realm.train.max_steps": 4}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from components.index.faiss_index import BlockIndex, IndexStore
-from components.index.refresh import AsyncRefresher, embed_and_build, embed_blocks, snapshot_module, staleness
+from components.index.embed import embed_and_build, embed_blocks
+from components.index.refresh import AsyncRefresher, snapshot_module, staleness
 
 VOCAB, DIM = 50, 8
 

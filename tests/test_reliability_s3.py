@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from components.config import DataParams
+from components.config_stages import DataParams
 from components.data.errors import DataError
 from components.data.prepare import prepare_corpus
 from components.io import S3Error, s3_client, s3_download_prefix, s3_upload_file

@@ -14,7 +14,7 @@ import pytest
 import torch
 from mlflow.entities import Metric
 
-from components.config import ComputeParams, TrainParams
+from components.config_shared import ComputeParams, TrainParams
 from components.metric_buffer import MetricBuffer
 from components.tracking import StageRun, _main, open_parent_run
 from components.training import checkpoint as ckpt

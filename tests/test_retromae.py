@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModel, AutoModelForMaskedLM, BertConfig, BertForMaskedLM, BertModel
 
-from components.config import EncoderParams, RetroMAEParams
+from components.config_shared import EncoderParams
+from components.config_stages import RetroMAEParams
 from components.data.masking import IGNORE_INDEX, MLMCollator, RetroMAECollator, SpecialTokens
 from components.data.masking import decoder_mask_pool, decoder_row_choice, position_specific_mask
 from components.models.encoder import build_encoder, save_encoder

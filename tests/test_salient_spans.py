@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from components.config import RealmParams
+from components.config_stages import RealmParams
 from components.data.realm_query import make_query
 from components.data.salient_spans import find_salient_spans
 from components.data.token_spans import char_spans_to_token_spans, salient_token_spans

@@ -39,13 +39,13 @@ def test_shard_range_tiles_the_rows_on_batch_boundaries(n, bs, ws):
 
 
 def test_one_process_is_embed_and_build_itself():
-    from components.index import refresh as refresh_lib
+    from components.index import embed as embed_lib
     from components.index.shard import embed_and_build_sharded
 
     blocks, enc, collate = _world()
     ids = [f"b{i}" for i in range(N_BLOCKS)]
     a, _ = embed_and_build_sharded(enc, blocks, ids, batch_size=BATCH, collate=collate, index_type="flat")
-    b, _ = refresh_lib.embed_and_build(enc, blocks, ids, batch_size=BATCH, collate=collate, index_type="flat")
+    b, _ = embed_lib.embed_and_build(enc, blocks, ids, batch_size=BATCH, collate=collate, index_type="flat")
     assert a.embeddings().tobytes() == b.embeddings().tobytes()
 
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = [f"b{i}" for i in range(N_BLOCKS)]
     queries = np.random.default_rng(1).standard_normal((40, DIM)).astype(np.float32)
     res = {}
-    for kind in ("flat", "ivf"):  # the refresh's own call; group None = refresh.embed_and_build
+    for kind in ("flat", "ivf"):  # the refresh's own call; group None = embed.embed_and_build
         index, _ = embed_and_build_sharded(enc, blocks, ids, batch_size=BATCH, collate=collate, groups=groups,
                                            index_type=kind, nlist=8, nprobe=2, use_gpu=False)
         scores, rows = index.search(queries, 8)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from components.config import DataParams, load_params
+from components.config import load_params
+from components.config_stages import DataParams
 from components.data import beir
 from components.data.corpus import load_source, read_beir_source
 from components.data.line_readers import read_jsonl, read_txt

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from components.config import SplitParams, SyntheticParams
+from components.config_stages import SplitParams, SyntheticParams
 from components.data.synthetic import SPLITS, World, assign_splits, generate_world
 from components.data.synthetic_text import ENTITY_LABEL, NameRegistry, _template_vocab
 
@@ -139,7 +139,8 @@ def test_same_params_same_world_different_seed_different_world() -> None:
 
 def test_byte_identical_across_processes_and_hash_seeds(world: World) -> None:
     """No dependence on set/dict hash order: other PYTHONHASHSEEDs give the same bytes."""
-    code = ("from components.config import *; from components.data.synthetic import generate_world; "
+    code = ("from components.config_stages import SplitParams, SyntheticParams; "
+            "from components.data.synthetic import generate_world; "
             "print(generate_world(SyntheticParams(), SplitParams()).fingerprint())")
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from components.config import DataParams, TokenizeParams
+from components.config_stages import DataParams, TokenizeParams
 from components.data.errors import DataError
 from components.data.prepare import prepare_corpus
 from components.data.tokenize import load_tokenizer, pack_pretrain_blocks, split_retrieval_blocks, tokenize_corpus, word_chunks

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from components.config import ComputeParams, TrainParams
+from components.config_shared import ComputeParams, TrainParams
 from components.training import checkpoint as ckpt
 from components.training.batches import MicroBatches, StepSampler, micro_batch_size
 from components.training.optim import LrGroup, lr_at, param_groups

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from components.config import DataParams
+from components.config_stages import DataParams
 from components.data.errors import DataError
 from components.data.line_readers import Passage, ReadReport, drop_duplicate_ids, read_jsonl, read_txt
 from components.data.textfile import plain_name, plain_suffix, resolve_member

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from components.config import DataParams, SplitParams
+from components.config_stages import DataParams, SplitParams
 from components.data.corpus import SourceData, load_source, normalize_and_dedupe
 from components.data.errors import DataError
 from components.io import atomic_dir, write_json_atomic, write_jsonl_atomic, write_text_atomic

@@ -106,7 +106,7 @@ def _random_word_span(lo: int, hi: int, target: int, max_masks: int, word_ids: S
 
 def make_query(
     block_row: dict,
-    params,  # components.config.RealmParams
+    params,  # components.config_stages.RealmParams
     rng: np.random.Generator,
     *,
     mask_token_id: int,

@@ -22,7 +22,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from components.config import DataParams, load_params
+from components.config import load_params
+from components.config_stages import DataParams
 from components.data.errors import DataError
 from components.io import parse_s3_uri, s3_client, tree_digest, write_text_atomic
 

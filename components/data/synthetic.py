@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from components.config import SplitParams, SyntheticParams
+from components.config_stages import SplitParams, SyntheticParams
 from components.data.synthetic_text import (ATTRIBUTES, DISTRACTOR_NAMING, DISTRACTOR_SENTENCES, DISTRACTOR_TITLES,
                                             ENTITY_LABEL, FILLERS_NAMING, FILLERS_PLAIN, FISH, FLAG_COLOURS,
                                             INDUSTRIES, INSTRUMENTS, INTROS, KINDS, LOGO_ANIMALS, NUM_LAKES, PETS,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from components.config import TokenizeParams
+from components.config_stages import TokenizeParams
 from components.data.errors import DataError
 from components.io import atomic_dir, write_json_atomic
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from components.index.faiss_index import BlockIndex
-from components.index.refresh import embed_blocks
+from components.index.embed import embed_blocks
 from components.models.encoder import cls_pool, load_encoder
 
 EncodeFn = Callable[..., torch.Tensor]  # (ids (B, L), mask (B, L)[, token types (B, L)]) -> (B, d)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from components.config import RealmParams
+from components.config_stages import RealmParams
 from components.data.beir import read_qrels, read_queries
 from components.data.realm_batch import RealmCollator, collate_queries
 from components.data.realm_query import RealmQuery, context_spans, iter_block_rows, masked_answer

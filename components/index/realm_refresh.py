@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from components.config import RealmParams
+from components.config_stages import RealmParams
 from components.data.realm_batch import passage_batch
 from components.data.special_tokens import SpecialTokens
 from components.index.faiss_index import BlockIndex, IndexStore
@@ -85,7 +85,7 @@ class IndexRefresh:
     """Owns the index during training: the initial build, the cadence (AsyncRefresher), the swap at
     step boundaries, failure handling, the per-refresh records and the final build.
 
-    Each build reads `embed_blocks` from components.index.refresh at call time, so a test can
+    Each build reads `embed_blocks` from components.index.embed at call time, so a test can
     inject a failing embed there. Under torch.distributed, construct it on every rank at the same
     point (it creates the refresh's process groups).
     """

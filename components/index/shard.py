@@ -9,7 +9,7 @@ Bit for bit the single-process build: the rows are put in `embed_blocks`'s lengt
 first) before the shards are cut, on `batch_size` boundaries of that order, so every encoder call
 sees exactly the batch (rows, padding) that one process would have sent; the gathered rows are put
 back in block order. With one process (`group=None`) this is
-`refresh.embed_and_build` itself (`groups=None`, or one process).
+`embed.embed_and_build` itself (`groups=None`, or one process).
 
 Why two extra gloo groups, and why gloo even when training uses NCCL:
   * The async refresh gathers in a background thread while the training thread all-reduces
@@ -37,8 +37,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from components.index import refresh as refresh_lib
+from components.index import embed as embed_lib
 from components.index.faiss_index import BlockIndex
+from components.index.refresh import AsyncRefresher
 from components.models.encoder import unsort_rows
 
 
@@ -123,8 +124,8 @@ def embed_sharded(
     collate: Callable[[list], Any] | None,
     groups: RefreshGroups,
 ) -> tuple[np.ndarray, dict]:
-    """This rank's shard through `refresh.embed_blocks`, then the all-gather -> (N, d) on every
-    rank, in block order. The shards are cut from the length order (`refresh.length_order`), which
+    """This rank's shard through `embed.embed_blocks`, then the all-gather -> (N, d) on every
+    rank, in block order. The shards are cut from the length order (`embed.length_order`), which
     the shard's own `embed_blocks` takes as given (`length=None`). Stats as `embed_blocks`'s, for
     the whole corpus (`seconds`: embed + gather wall time) plus `shard_blocks`, `shard_seconds`
     (this rank's embed alone) and `world_size`."""
@@ -135,10 +136,10 @@ def embed_sharded(
     t0 = time.perf_counter()
     local, st, err = None, {}, None
     try:
-        order = refresh_lib.length_order(blocks)  # (N,) the same on every rank
+        order = embed_lib.length_order(blocks)  # (N,) the same on every rank
         if stop > start:
-            local, st = refresh_lib.embed_blocks(encode_fn, refresh_lib.take_rows(blocks, order[start:stop]), batch_size,
-                                                 collate, progress=False, length=None)  # already in length order
+            local, st = embed_lib.embed_blocks(encode_fn, embed_lib.take_rows(blocks, order[start:stop]), batch_size,
+                                               collate, progress=False, length=None)  # already in length order
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have been told
         err = e
     shard_seconds = time.perf_counter() - t0
@@ -150,7 +151,7 @@ def embed_sharded(
     by_length = gather_rows(local if local is not None else np.zeros((0, d), np.float32), counts, group)  # (N, d)
     emb = unsort_rows(by_length, order)  # (N, d) in block order
     seconds = time.perf_counter() - t0
-    return emb, {**refresh_lib.embed_stats(n, n_tokens, d, seconds),
+    return emb, {**embed_lib.embed_stats(n, n_tokens, d, seconds),
                  "shard_blocks": stop - start, "shard_seconds": shard_seconds, "world_size": ws}
 
 
@@ -166,18 +167,18 @@ def embed_and_build_sharded(
     step: int | None = None,
     **build_kwargs: Any,
 ) -> tuple[BlockIndex, dict]:
-    """`refresh.embed_and_build` with the embedding sharded over the ranks of `groups` (None or one
+    """`embed.embed_and_build` with the embedding sharded over the ranks of `groups` (None or one
     process: exactly `embed_and_build`). Every rank returns the same index. Call it inside
     `groups.guard` when the body does other fallible work before it."""
     if groups is None or not groups.active:
-        return refresh_lib.embed_and_build(encode_fn, blocks, ids, batch_size=batch_size, collate=collate,
-                                           index_type=index_type, step=step, **build_kwargs)
+        return embed_lib.embed_and_build(encode_fn, blocks, ids, batch_size=batch_size, collate=collate,
+                                         index_type=index_type, step=step, **build_kwargs)
     emb, stats = embed_sharded(encode_fn, blocks, batch_size, collate, groups)
     index = BlockIndex.build(emb, ids, index_type, step=step, **build_kwargs)  # type: ignore[arg-type]
     return index, {**stats, "build_seconds": index.meta["build_seconds"], "index_type": index.index_type}
 
 
-class CollectiveRefresher(refresh_lib.AsyncRefresher):
+class CollectiveRefresher(AsyncRefresher):
     """`AsyncRefresher` whose step-boundary decisions are the same on every rank: `poll` delivers a
     build only when every rank has finished it, and a success only if it succeeded on every rank
     (else each rank's `on_error` runs). Since deliveries agree, `busy` agrees, so every rank starts

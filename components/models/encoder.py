@@ -25,7 +25,7 @@ wrapper adds, e.g. RetroMAE's decoder), for a head-only phase before joint train
 
 Length bucketing (a batch padded to its own longest row, not to the longest of a random mix):
 `longest_first(lengths)` is the order to run rows in and `unsort_rows(out, order)` puts the outputs
-back; the block embed (index/refresh.py `embed_blocks`) and the reader's forward (reader.py) share them.
+back; the block embed (index/embed.py `embed_blocks`) and the reader's forward (reader.py) share them.
 
 Shapes: B batch, L sequence length, H hidden.
 """

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from components.config import TrainParams
+from components.config_shared import TrainParams
 
 
 def seed_everything(seed: int) -> None:

