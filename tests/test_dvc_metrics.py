@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from components import paths
-from components.config import REALM_ARMS
+from components.config_stages import REALM_ARMS
 from components.eval.headline import write_headline
 from tests.conftest import ROOT
 

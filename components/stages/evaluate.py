@@ -32,7 +32,8 @@ import logging
 
 import torch
 
-from components.config import REALM_ARMS, Params
+from components.config import Params
+from components.config_stages import REALM_ARMS
 from components.data.finetune_data import load_pairs
 from components.data.tokenize import load_tokenizer
 from components.eval.comparisons import paper_comparisons, run_comparisons
