@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from components.index import build as fi  # noqa: E402
+from components.io import write_json_atomic  # noqa: E402
 
 
 def make_data(n: int, d: int, kind: str, rng: np.random.Generator) -> np.ndarray:
@@ -257,10 +258,7 @@ def _print_recommendation(rec: dict, args: argparse.Namespace) -> None:
 
 
 def _write_json(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, out)  # atomic: a killed run never leaves half a JSON
+    write_json_atomic(out, report, sort_keys=False)  # a killed run never leaves half a JSON
     print(f"wrote {out}")
 
 

@@ -23,6 +23,7 @@ RetroMAE and REALM, both arms) and prints the Markdown rows of bench/README.md.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workspace import fresh_clone  # noqa: E402
-from components.io import write_json_atomic  # noqa: E402
+from components.io import write_bytes_atomic, write_json_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
 # the stages measured (one start, one size and one open-QA system stand for the fine-tunes: step_overrides)
@@ -142,9 +143,9 @@ def plot(results: dict, path: Path, preset: str) -> None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    write_bytes_atomic(path, buf.getvalue())
 
 
 def markdown(results: dict) -> str:

@@ -51,6 +51,7 @@ from components.eval.realm_probes import heldout_probes, run_probes  # noqa: E40
 from components.index.faiss_index import IndexStore  # noqa: E402
 from components.index.realm_refresh import IndexRefresh, RefreshContext  # noqa: E402
 from components.index.refresh import snapshot_module  # noqa: E402
+from components.io import write_json_atomic  # noqa: E402
 from components.models.realm import REALM, KnowledgeAugmentedEncoder  # noqa: E402
 from components.models.retriever import Retriever  # noqa: E402
 from components.training.trainer import Trainer  # noqa: E402
@@ -292,10 +293,7 @@ def main() -> None:
     key = f"{args.device}/threads={torch.get_num_threads()}/scale={args.scale}"
     all_results = json.loads(args.out.read_text()) if args.out.is_file() else {}
     all_results[key] = result
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(all_results, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_out, args.out)
+    write_json_atomic(args.out, all_results)
     print(f"wrote {args.out} [{key}]")
 
 

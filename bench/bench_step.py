@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from components.config_shared import EncoderParams  # noqa: E402
 from components.config_stages import RetroMAEParams  # noqa: E402
 from components.data.masking import RetroMAECollator, SpecialTokens  # noqa: E402
+from components.io import write_json_atomic  # noqa: E402
 from components.models.mlm import MLMModel  # noqa: E402
 from components.models.encoder import build_encoder  # noqa: E402
 from components.models.retromae import RetroMAE  # noqa: E402
@@ -131,13 +131,9 @@ def profile(arms: dict, batch: dict, autocast, device: torch.device, rows: int =
 
 
 def write_result(path: Path, key: str, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
     data[key] = result
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_step import summarize  # noqa: E402
 from components.data.special_tokens import IGNORE_INDEX  # noqa: E402
 from components.index.faiss_index import BlockIndex  # noqa: E402
+from components.io import write_json_atomic  # noqa: E402
 from components.models.biencoder import BiEncoder  # noqa: E402
 from components.models.realm import REALM, KnowledgeAugmentedEncoder  # noqa: E402
 from components.models.retriever import Retriever  # noqa: E402
@@ -188,10 +189,7 @@ def main() -> None:
         "realm": realm, "dpr": dpr,
         "env": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                 "loadavg": os.getloadavg()}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2))
-    os.replace(tmp, out)
+    write_json_atomic(out, results, sort_keys=False)
     print(f"wrote {out}")
 
 

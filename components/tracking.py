@@ -256,17 +256,9 @@ class StageRun:
     def log_index_version(self, folder: str | os.PathLike, version: int, blocks: int) -> dict:
         """One published index version on this (refresh) run: URI, sha256, bytes, blocks as tags and
         `index_ref.json`; the files themselves stay where they are (checkpoints/index/vN)."""
-        import hashlib
-
         folder = Path(folder)
-        h, size = hashlib.sha256(), 0
-        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-            h.update(str(f.relative_to(folder)).encode() + b"\0")
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-            size += f.stat().st_size
-        ref = {"uri": folder.resolve().as_uri(), "sha256": h.hexdigest(), "bytes": size, "blocks": int(blocks), "version": int(version)}
+        digest, _, size = tree_digest(folder, "sha256")
+        ref = {"uri": folder.resolve().as_uri(), "sha256": digest, "bytes": size, "blocks": int(blocks), "version": int(version)}
         self.set_tags({f"rr.index.{k}": v for k, v in ref.items()})
         self.log_dict(ref, "index_ref.json")
         return ref

@@ -10,7 +10,6 @@ means: docs/experiments/realm_refresh_ablation.md; the latest results: docs/resu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -85,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     import yaml
 
     from components.config import load_params
+    from components.io import write_json_atomic
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     ws = args.workspace.resolve()
@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = load_params(args.params, presets=presets, overrides=base)
     out = {"k": p.realm.staleness_k, "seed": p.compute.seed, "max_steps": p.realm.train.max_steps,
            "retriever_init": p.realm.retriever_init, "lr": p.realm.train.lr, "overrides": overrides, "arms": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, args.out)
+    write_json_atomic(args.out, out, sort_keys=False)
     from components.index.realm_refresh import format_metric as _fmt  # as the stage's own log lines
 
     k = out["k"]

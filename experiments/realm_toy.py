@@ -12,7 +12,6 @@ index in use and under a fresh one, masked-token accuracy and p(null), over step
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.index.faiss_index import BlockIndex  # noqa: E402
+from components.io import write_json_atomic  # noqa: E402
 from components.data.special_tokens import IGNORE_INDEX  # noqa: E402
 from components.models.realm import REALM, KnowledgeAugmentedEncoder, tiny_bert_config  # noqa: E402
 from components.models.retriever import Retriever  # noqa: E402
@@ -194,9 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     res = {"args": vars(args), "chance_recall": (args.k - 1) / args.docs, "threads": torch.get_num_threads(),
            "seeds_reaching_recall_0.9": learned, "runs": runs}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".tmp").write_text(json.dumps(res, indent=2))
-    os.replace(out.with_suffix(".tmp"), out)
+    write_json_atomic(out, res, sort_keys=False)
     for seed, arms in runs.items():
         for name, arm in arms.items():
             c = arm["curve"]

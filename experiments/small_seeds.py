@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import re
 import subprocess
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from components.eval.comparisons import paper_comparisons, per_query_path, read_per_query  # noqa: E402
 from components.eval.significance import paired_test, per_query_metric  # noqa: E402
 from bench.workspace import fresh_clone  # noqa: E402
+from components.io import write_bytes_atomic  # noqa: E402
 from components.progress import format_duration  # noqa: E402
 
 RESULTS = ROOT / "experiments/results/{preset}_seeds.json"
@@ -114,14 +114,8 @@ def archive(ws: Path, seed: int, preset: str = "small") -> Path:
                         for system, pq in rec["per_query"].items()}
     commit = subprocess.run(["git", "-C", str(ws), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rec.update(seed=seed, commit=commit, cpu=cpu_name())
-    folder = Path(str(ARCHIVE).format(preset=preset))
-    folder.mkdir(parents=True, exist_ok=True)
-    dest = folder / f"seed{seed}.json.gz"
-    tmp = dest.with_suffix(".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        json.dump(rec, f)
-    os.replace(tmp, dest)
-    return dest
+    dest = Path(str(ARCHIVE).format(preset=preset)) / f"seed{seed}.json.gz"
+    return write_bytes_atomic(dest, gzip.compress(json.dumps(rec).encode("utf-8")))
 
 
 def load_seed(src: Path) -> dict:

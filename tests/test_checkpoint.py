@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from components.config_shared import ComputeParams, TrainParams
+from components.io import file_entry
 from components.training import checkpoint as ckpt
 from components.training.trainer import Trainer
 from tests.scripts.tiny_train import TinyLM, make_rows, random_mask_collate
@@ -33,7 +34,7 @@ def trainer(out: Path, max_steps: int = 10, **kw) -> Trainer:
 def rewrite_meta_hash(folder: Path, name: str) -> None:
     """What an attacker who can write the folder can also do: make the manifest agree."""
     meta = json.loads((folder / ckpt.META_FILE).read_text())
-    meta["files"][name] = ckpt.sha256_file(folder / name)
+    meta["files"][name] = file_entry(folder / name)
     (folder / ckpt.META_FILE).write_text(json.dumps(meta))
 
 
@@ -130,7 +131,7 @@ def test_crafted_pickle_is_refused_and_never_executed(tmp_path):
 def test_manifest_cannot_point_outside_its_folder(tmp_path):
     path = ckpt.save_checkpoint(tmp_path, 1, TinyLM(), {"step": 1})
     meta = json.loads((path / ckpt.META_FILE).read_text())
-    meta["files"]["../x"] = "0" * 64
+    meta["files"]["../x"] = {"sha256": "0" * 64, "bytes": 0}
     (path / ckpt.META_FILE).write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="outside"):
         ckpt.verify_checkpoint(path)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from components import io
 from components.index import build as fb
-from components.index import index_files
 from components.index.build import build_index
 from components.index.faiss_index import BlockIndex, IndexStore
 from components.index.index_files import IndexIntegrityError
@@ -211,8 +211,9 @@ def test_tmp_leftovers_are_never_loaded_and_are_cleaned(tmp_path):
     # A refresh killed mid-publish (os._exit between writing the files and the rename).
     script = (
         "import os, numpy as np\n"
-        "from components.index import faiss_index as fi, index_files\n"
-        "index_files.replace_dir = lambda src, dst: os._exit(9)\n"
+        "from components import io\n"
+        "from components.index import faiss_index as fi\n"
+        "io.commit_dir = lambda *a, **k: os._exit(9)\n"
         f"s = fi.IndexStore({str(root)!r})\n"
         "s.publish(fi.BlockIndex.build(np.ones((40, 16), np.float32), None, 'flat'), step=2)\n"
     )
@@ -238,7 +239,7 @@ def test_publish_failure_keeps_old_current_and_leaves_no_tmp(tmp_path, monkeypat
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(index_files, "replace_dir", boom)
+    monkeypatch.setattr(io, "commit_dir", boom)
     with pytest.raises(OSError, match="disk full"):
         store.publish(BlockIndex.build(_data(40, seed=2), None, "flat"), step=2)
     assert store.current().version == 1 and store.current_version() == 1

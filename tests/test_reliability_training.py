@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from components import paths
+from components.io import file_entry
 from components.training import checkpoint as ckpt
 from tests.conftest import make_workspace
 
@@ -348,7 +349,7 @@ class _RunsShell:
 
 def _rewrite_meta_hash(folder: Path, name: str) -> None:
     meta = json.loads((folder / ckpt.META_FILE).read_text())
-    meta["files"][name] = ckpt.sha256_file(folder / name)
+    meta["files"][name] = file_entry(folder / name)
     (folder / ckpt.META_FILE).write_text(json.dumps(meta))
 
 
@@ -386,7 +387,7 @@ import numpy as np
 from components.index import faiss_index as fi, index_files
 
 root, flag = sys.argv[1], Path(sys.argv[2])
-real = index_files.write_bytes
+real = index_files.write_file
 def torn(path, data):
     if path.name == index_files.INDEX_FILE:  # half the file is on disk when the kill comes
         with open(path, "wb") as f:
@@ -394,7 +395,7 @@ def torn(path, data):
         flag.write_text(str(path))
         time.sleep(120)
     return real(path, data)
-index_files.write_bytes = torn
+index_files.write_file = torn
 x = np.random.default_rng(2).standard_normal((4000, 16)).astype(np.float32)
 fi.IndexStore(root, use_gpu=False).publish(fi.BlockIndex.build(x, None, "flat"), step=2)
 """

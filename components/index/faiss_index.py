@@ -21,10 +21,8 @@ import contextlib
 import copy
 import os
 import re
-import shutil
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -33,7 +31,8 @@ import numpy as np
 
 from components.index import index_files as files
 from components.index.build import IndexType, UseGpu, as_matrix, build_index, index_kind, is_gpu_index, to_cpu, to_gpu, want_gpu
-from components.index.index_files import META_FILE, TMP_PREFIX, IndexIntegrityError
+from components.index.index_files import META_FILE, IndexIntegrityError
+from components.io import atomic_dir, remove_dir, remove_leftovers, write_text_atomic
 
 try:  # POSIX only; used to keep two *processes* from publishing the same version number.
     import fcntl
@@ -163,17 +162,12 @@ class BlockIndex:
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, folder: str | os.PathLike, *, extra_meta: dict | None = None) -> dict:
-        """Write this index to `folder` atomically (temp sibling + os.replace). Returns meta."""
+        """Write this index to `folder` atomically (`components.io.atomic_dir`). Returns meta."""
         folder = Path(folder)
         if folder.exists() and any(folder.iterdir()):
             raise FileExistsError(f"{folder} exists and is not empty")
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.parent / f"{TMP_PREFIX}{folder.name}-{uuid.uuid4().hex[:8]}"
-        try:
+        with atomic_dir(folder, replace=False) as tmp:
             meta = files.write_version_dir(self, tmp, extra_meta or {})
-            files.replace_dir(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return meta
 
     @classmethod
@@ -316,14 +310,10 @@ class IndexStore:
         """
         with self._writer():
             version = (self.latest_version() or 0) + 1
-            tmp = self.root / f"{TMP_PREFIX}v{version:04d}"
-            shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a killed publish
             stamped = index.with_meta(version=version, step=step if step is not None else index.step)
-            try:
+            # built in root/.tmp-vNNNN (a killed publish's leftover of that name is removed first)
+            with atomic_dir(self.path(version), replace=False, unique=False) as tmp:
                 meta = files.write_version_dir(stamped, tmp, extra_meta or {})
-                files.replace_dir(tmp, self.path(version))
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
             stamped = stamped.with_meta(**{k: meta[k] for k in ("files", "extra", "created_unix", "search_params")})
             if make_current:
                 self._write_pointer(version)
@@ -339,23 +329,12 @@ class IndexStore:
         return bi
 
     def _write_pointer(self, version: int) -> None:
-        tmp = self.root / f"{TMP_PREFIX}{CURRENT_FILE}-{uuid.uuid4().hex[:8]}"
-        files.write_bytes(tmp, f"v{version:04d}\n".encode())
-        os.replace(tmp, self.root / CURRENT_FILE)
-        files.fsync_dir(self.root)
+        write_text_atomic(self.root / CURRENT_FILE, f"v{version:04d}\n")
 
     def cleanup_partial(self) -> list[Path]:
-        """Remove `.tmp-*` leftovers (a refresh killed mid-write). Returns what was removed."""
-        removed = []
+        """Remove `.tmp-*` / `.old-*` leftovers (a refresh killed mid-write). Returns what was removed."""
         with self._writer():
-            for p in self.root.iterdir():
-                if p.name.startswith(TMP_PREFIX):
-                    if p.is_dir() and not p.is_symlink():
-                        shutil.rmtree(p, ignore_errors=True)
-                    else:
-                        p.unlink(missing_ok=True)
-                    removed.append(p)
-        return removed
+            return remove_leftovers(self.root)
 
     def prune(self, keep_last: int = 2, keep_first: bool = True) -> list[int]:
         """Delete old versions, keeping the newest `keep_last`, the first (the staleness baseline)
@@ -370,8 +349,5 @@ class IndexStore:
                 keep.add(cur)
             gone = [v for v in versions if v not in keep]
             for v in gone:
-                # rename first so a half-deleted directory never looks like a version
-                trash = self.root / f"{TMP_PREFIX}del-v{v:04d}"
-                os.replace(self.path(v), trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                remove_dir(self.path(v))  # a half-deleted directory never looks like a version
         return gone

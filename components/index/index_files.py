@@ -2,21 +2,17 @@
 
     vNNNN/index.faiss   faiss.write_index format (a GPU index is copied to the CPU first)
     vNNNN/ids.npy       block ids: fixed-width unicode (`<U..`) or int64, `allow_pickle=False`
-    vNNNN/meta.json     version, step, n, dim, type, build_seconds, sha256 of the two files, extra
+    vNNNN/meta.json     version, step, n, dim, type, build_seconds, sha256 and size of the two files, extra
 
-`write_version_dir` writes the files (fsynced, meta.json last: it carries the hashes) into a temp
-folder that `replace_dir` renames into place; `read_version_dir` verifies and reads one back.
-`faiss_index.BlockIndex.save` / `load` and `IndexStore.publish` use them.
+`write_version_dir` writes the files (fsynced, meta.json last: it carries the hashes) into the temp
+folder of a `components.io.atomic_dir`; `read_version_dir` verifies and reads one back. The folder
+and the manifest are `components.io`'s. `faiss_index.BlockIndex.save` / `load` and
+`IndexStore.publish` use them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import hashlib
 import io
-import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,14 +21,14 @@ import faiss
 import numpy as np
 
 from components.index.build import apply_search_params, index_kind, search_params, to_cpu
+from components.io import MANIFEST, ManifestError, read_manifest, verify_manifest, write_file, write_manifest
 
 if TYPE_CHECKING:
     from components.index.faiss_index import BlockIndex
 
 INDEX_FILE = "index.faiss"
 IDS_FILE = "ids.npy"
-META_FILE = "meta.json"
-TMP_PREFIX = ".tmp-"
+META_FILE = MANIFEST
 FORMAT_VERSION = 1
 
 
@@ -40,33 +36,15 @@ class IndexIntegrityError(ValueError):
     """A stored index version is incomplete, or a file's sha256 differs from its meta.json."""
 
 
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_bytes(path: Path, data: bytes | memoryview) -> str:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return hashlib.sha256(data).hexdigest()
-
-
 def write_version_dir(bi: "BlockIndex", folder: Path, extra_meta: dict) -> dict:
-    """Write index.faiss, ids.npy, then meta.json (last: it carries the hashes) into `folder`."""
-    folder.mkdir(parents=True)
+    """Write index.faiss, ids.npy, then meta.json (last: it carries the hashes) into the empty `folder`."""
     cpu = to_cpu(bi.index)
     index_bytes = faiss.serialize_index(cpu)  # uint8 array, the faiss.write_index format
     ids_buf = io.BytesIO()
     np.save(ids_buf, bi.ids, allow_pickle=False)
-    files = {
-        INDEX_FILE: {"sha256": write_bytes(folder / INDEX_FILE, memoryview(index_bytes)), "bytes": int(index_bytes.size)},
-        IDS_FILE: {"sha256": write_bytes(folder / IDS_FILE, ids_buf.getbuffer()), "bytes": ids_buf.getbuffer().nbytes},
+    files = {  # hashed as written, not read back
+        INDEX_FILE: write_file(folder / INDEX_FILE, memoryview(index_bytes)),
+        IDS_FILE: write_file(folder / IDS_FILE, ids_buf.getbuffer()),
     }
     meta = {
         **{k: v for k, v in bi.meta.items() if k not in ("files",)},
@@ -79,43 +57,25 @@ def write_version_dir(bi: "BlockIndex", folder: Path, extra_meta: dict) -> dict:
         "faiss_version": faiss.__version__,
         "created_unix": round(time.time(), 3),
         "extra": {**bi.meta.get("extra", {}), **extra_meta},
-        "files": files,
     }
-    write_bytes(folder / META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
-    fsync_dir(folder)
-    return meta
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """os.replace for a directory: atomic on POSIX when `dst` is absent or an empty directory."""
-    try:
-        os.replace(src, dst)
-    except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise FileExistsError(f"{dst} already exists and is not empty") from None
-        raise
-    fsync_dir(dst.parent)
+    return write_manifest(folder, meta, files)
 
 
 def read_version_dir(folder: Path, verify: bool = True) -> tuple[faiss.Index, np.ndarray, dict]:
     """(faiss index on the CPU, ids, meta) of a version folder; with `verify`, every file's sha256
     must match meta.json."""
-    meta_path = folder / META_FILE
-    if not meta_path.is_file():
-        raise IndexIntegrityError(f"{folder}: no {META_FILE} (incomplete or not an index folder)")
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    blobs = {}
-    for name in (INDEX_FILE, IDS_FILE):
-        path = folder / name
-        if not path.is_file():
-            raise IndexIntegrityError(f"{folder}: missing {name}")
-        # Hash exactly the bytes we deserialize (no window between check and read).
-        blobs[name] = path.read_bytes()
-        if verify:
-            want = meta.get("files", {}).get(name, {}).get("sha256")
-            got = hashlib.sha256(blobs[name]).hexdigest()
-            if want != got:
-                raise IndexIntegrityError(f"{path}: sha256 {got} != {want} recorded in {META_FILE}")
+    try:
+        meta = read_manifest(folder)
+        blobs = {}
+        for name in (INDEX_FILE, IDS_FILE):
+            path = folder / name
+            if not path.is_file():
+                raise IndexIntegrityError(f"{folder}: missing {name}")
+            blobs[name] = path.read_bytes()
+        if verify:  # hashes exactly the bytes deserialized below: no window between check and read
+            verify_manifest(folder, meta, required=(INDEX_FILE, IDS_FILE), blobs=blobs)
+    except ManifestError as e:
+        raise IndexIntegrityError(str(e)) from None
     index = faiss.deserialize_index(np.frombuffer(blobs.pop(INDEX_FILE), dtype=np.uint8))
     apply_search_params(index, meta.get("search_params", {}))
     ids = np.load(io.BytesIO(blobs.pop(IDS_FILE)), allow_pickle=False)

@@ -6,12 +6,14 @@ Layout (one folder per optimiser step, newest `keep` kept):
         model.safetensors     weights (tied weights stored once; safetensors cannot run code)
         trainer_state.pt      optimizer + scheduler + scaler + counters (torch.save, plain tensors/containers)
         rng-rank{R}.pt        each rank's torch/cuda/numpy/python RNG state
-        meta.json             written LAST: step, world size, sha256 of every file above
+        meta.json             written LAST: step, world size, the sha256 and size of every file above
 
-A checkpoint is written to `.tmp-step-000010/` and `os.replace`d into place, so a folder named
-`step-*` is always complete; a kill mid-write leaves only a `.tmp-*` folder, removed on the next
-start. Every `torch.load` here uses `weights_only=True`: a pickle that tries to run code (or
-reference any non-tensor class) is refused with `CheckpointError`, never executed.
+A checkpoint is written to `.tmp-step-000010/` and renamed into place, so a folder named `step-*`
+is always complete; a kill mid-write leaves only a `.tmp-*` folder, removed on the next start. The
+folder, its manifest and their checks are `components.io`'s (`begin_dir`, `write_manifest`,
+`commit_dir`, `verify_manifest`). Every `torch.load` here uses `weights_only=True`: a pickle that
+tries to run code (or reference any non-tensor class) is refused with `CheckpointError`, never
+executed.
 
     from components.training.checkpoint import latest_checkpoint, load_model_weights
     load_model_weights(latest_checkpoint("runs/retromae/checkpoints"), model)
@@ -19,8 +21,6 @@ reference any non-tensor class) is refused with `CheckpointError`, never execute
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
 import random
@@ -35,10 +35,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-FORMAT = "retro-realm-checkpoint/1"
+from components.io import (MANIFEST, ManifestError, begin_dir, commit_dir, read_manifest, remove_leftovers, temp_sibling,
+                           verify_manifest, write_manifest)
+
+FORMAT = "retro-realm-checkpoint/2"  # /2: the manifest's entries are {sha256, bytes}
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
-META_FILE = "meta.json"
+META_FILE = MANIFEST
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -58,22 +61,6 @@ def rng_filename(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ----------------------------------------------------------------------------------------------
 # listing / verifying / choosing
 # ----------------------------------------------------------------------------------------------
@@ -88,33 +75,21 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def verify_checkpoint(path: str | os.PathLike) -> dict:
     """Return the checkpoint's meta.json if every listed file exists with its recorded sha256."""
-    path = Path(path)
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise CheckpointError(f"{path}: no {META_FILE} (incomplete checkpoint)")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: {META_FILE} is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-        raise CheckpointError(f"{path}: {META_FILE} is not a {FORMAT} manifest")
-    for required in (MODEL_FILE, STATE_FILE):
-        if required not in meta["files"]:
-            raise CheckpointError(f"{path}: {META_FILE} lists no {required}")
-    for name, digest in meta["files"].items():
-        f = path / name
-        if Path(name).name != name:  # a manifest must not point outside its folder
-            raise CheckpointError(f"{path}: {META_FILE} lists a file outside the checkpoint: {name!r}")
-        if not f.is_file():
-            raise CheckpointError(f"{path}: {name} is missing")
-        if sha256_file(f) != digest:
-            raise CheckpointError(f"{path}: {name} does not match its sha256 in {META_FILE} (truncated or modified)")
-    return meta
+        meta = read_manifest(path)
+        if meta.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: {META_FILE} is not a {FORMAT} manifest (format {meta.get('format')!r})")
+        return verify_manifest(path, meta, required=(MODEL_FILE, STATE_FILE))
+    except ManifestError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def read_meta(path: str | os.PathLike) -> dict:
     """meta.json of a checkpoint folder, unverified (use `verify_checkpoint` to check hashes)."""
-    return json.loads((Path(path) / META_FILE).read_text(encoding="utf-8"))
+    try:
+        return read_manifest(path)
+    except ManifestError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _quarantine(path: Path) -> Path:
@@ -142,12 +117,8 @@ def latest_checkpoint(root: str | os.PathLike, quarantine: bool = False) -> Path
 
 
 def remove_stale_tmp(root: str | os.PathLike) -> list[Path]:
-    """Delete `.tmp-*` folders a killed run left behind (call only when no save is in flight)."""
-    root = Path(root)
-    stale = [p for p in root.glob(".tmp-*")] if root.is_dir() else []
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
-    return stale
+    """Delete the `.tmp-*` / `.old-*` entries a killed run left behind (call only when no save is in flight)."""
+    return remove_leftovers(root)
 
 
 def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
@@ -165,11 +136,12 @@ def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
 # ----------------------------------------------------------------------------------------------
 def begin_checkpoint(root: str | os.PathLike, step: int) -> Path:
     """Create an empty `.tmp-step-N/` under `root` (removing a leftover of the same name)."""
-    tmp = Path(root) / f".tmp-{step_dirname(step)}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+    return begin_dir(Path(root) / step_dirname(step), unique=False)
+
+
+def tmp_path(root: str | os.PathLike, step: int) -> Path:
+    """Where step N is written before its commit: every rank writes its files into it."""
+    return temp_sibling(Path(root) / step_dirname(step))
 
 
 def write_model(folder: Path, model: torch.nn.Module) -> None:
@@ -211,25 +183,11 @@ def write_rng(folder: Path, rank: int) -> None:
 
 
 def commit_checkpoint(tmp: Path, step: int, extra: dict | None = None) -> Path:
-    """Hash every file in `tmp`, write meta.json last, then atomically rename to `step-N/`."""
-    files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != META_FILE)
-    for p in files:
-        _fsync(p)
-    meta = {
-        "format": FORMAT,
-        "step": step,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "files": {p.name: sha256_file(p) for p in files},
-        **(extra or {}),
-    }
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
-    _fsync(tmp / META_FILE)
-    final = tmp.parent / step_dirname(step)
-    if final.exists():  # e.g. a quarantined-then-retrained step: os.replace cannot replace a full dir
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(tmp.parent)
-    return final
+    """Hash every file in `tmp`, write meta.json last, then atomically rename to `step-N/`
+    (replacing one of that step, e.g. a quarantined-then-retrained step)."""
+    meta = {"format": FORMAT, "step": step, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {})}
+    write_manifest(tmp, meta)
+    return commit_dir(tmp, tmp.parent / step_dirname(step))
 
 
 def save_checkpoint(

@@ -39,7 +39,7 @@ def trainer_state(trainer: "Trainer") -> dict[str, Any]:
 
 def save_trainer_checkpoint(trainer: "Trainer") -> Path:
     """Write `checkpoints/step-N/` atomically (rank 0 writes the shared files, each rank its RNG)."""
-    tmp = trainer.ckpt_dir / f".tmp-{ckpt.step_dirname(trainer.step)}"
+    tmp = ckpt.tmp_path(trainer.ckpt_dir, trainer.step)
     if trainer.is_rank0:
         ckpt.begin_checkpoint(trainer.ckpt_dir, trainer.step)
     D.barrier()
