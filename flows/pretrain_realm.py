@@ -61,7 +61,7 @@ def _metrics(summary: dict) -> dict:
 def pretrain_realm_flow(arm: str = "refreshed") -> dict:
     os.environ[ENV_STAGE_ITEM] = arm  # the body (and torchrun's ranks) read it
     out, name = REALM_ARM_OUT[arm], "realm" if arm == "refreshed" else f"realm-{arm}"
-    _, summary, plot = arm_files(arm)
+    _, summary_file, plot = arm_files(arm)
     return run_stage(f"{STAGE}@{arm}", ["realm"], train, metrics=_metrics, step=lambda summary: int(summary.get("step", 0)),
                      inputs=[Dataset(TOKENS / "blocks", "retrieval_blocks"),
                              Dataset(RETROMAE_ENCODER, "retromae_encoder", optional=True)],
@@ -69,7 +69,7 @@ def pretrain_realm_flow(arm: str = "refreshed") -> dict:
                              Model(out / "knowledge_augmented_encoder", f"{name}-knowledge-augmented-encoder", task="fill-mask")],
                      artifacts=[*(Artifact(out / sub, sub) for sub in ("retriever", "knowledge_augmented_encoder")),
                                 Artifact(out / "index" / "final", "index_final"), Artifact(out / "model_card.md"),
-                                Artifact(plot), Artifact(summary)])
+                                Artifact(plot), Artifact(summary_file)])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -72,29 +72,46 @@ def test_a_rerun_after_the_start_encoder_changed_trains_instead_of_resuming(tmp_
 
 def test_shared_phase_lets_one_stage_train_at_a_time(tmp_path):
     """Two stages entering the same shared phase (threads here: an flock is per open file, so two
-    opens in one process exclude each other as two processes do): the second waits for the first."""
+    opens in one process exclude each other as two processes do): while the first is inside, the
+    lock is taken and the second waits; it enters once the first has left."""
+    import fcntl
+    import os
     import threading
     import time
+
+    import pytest
 
     from components.stages.common import shared_phase
 
     events: list[str] = []
-    inside = threading.Event()
+    inside, release = threading.Event(), threading.Event()
 
-    def stage(name: str, hold: float, ready: threading.Event | None = None) -> None:
-        with shared_phase(tmp_path / "phase", name):
-            events.append(f"{name} in")
-            if ready is not None:
-                ready.set()
-            time.sleep(hold)
-            events.append(f"{name} out")
+    def first() -> None:
+        with shared_phase(tmp_path / "phase", "a"):
+            events.append("a in")
+            inside.set()
+            release.wait(30)
+            events.append("a out")
 
-    a = threading.Thread(target=stage, args=("a", 0.5, inside))
+    def second() -> None:
+        with shared_phase(tmp_path / "phase", "b"):
+            events.append("b in")
+
+    a = threading.Thread(target=first, daemon=True)
     a.start()
-    inside.wait(10)
-    b = threading.Thread(target=stage, args=("b", 0.0))
+    assert inside.wait(30)
+    fd = os.open(tmp_path / "phase" / ".lock", os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):  # the first holds the lock
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    b = threading.Thread(target=second, daemon=True)
     b.start()
-    a.join(10)
-    b.join(10)
-    assert events == ["a in", "a out", "b in", "b out"]
-    assert (tmp_path / "phase" / ".lock").exists()
+    time.sleep(1.0)
+    assert events == ["a in"] and b.is_alive()  # the second is waiting, not inside
+    release.set()
+    a.join(30)
+    b.join(30)
+    assert not a.is_alive() and not b.is_alive()
+    assert events == ["a in", "a out", "b in"]

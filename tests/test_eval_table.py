@@ -394,9 +394,11 @@ def test_readers_from_one_encoder_share_the_gold_phase(world, monkeypatch):
     monkeypatch.setattr(lib, "Trainer", spy)
     monkeypatch.setattr("components.stages.common.CHECKPOINTS", world["root"] / "shared_gold")  # fresh runs
     monkeypatch.setattr(paths, "FINETUNE_OPEN_QA", world["root"] / "shared_gold_out")
+    again = {}
     with contextlib.chdir(world["root"]):
         for current in ("realm", "bm25"):  # the other order this time
-            finetune_reader(world["params"], None, current)
+            again[current] = finetune_reader(world["params"], None, current)
+    assert again["realm"]["qa.gold.resumed_from"] == 0 and again["bm25"]["qa.gold.resumed_from"] == steps
     assert all(torch.equal(handed["realm"][k], handed["bm25"][k]) for k in handed["realm"])
 
 

@@ -394,7 +394,11 @@ def test_the_arms_share_their_warm_ups_the_second_resumes_them(ws):
     # the same model before the first REALM step: the same first index, the same held-out accuracy at the start
     for key in ("eval_mlm_acc_start", "heldout_recall_at_k_start", "recall_at_k_start"):
         assert second[key] == first[key], key
-    assert stage.checkpoint_root(p.model_copy(update={"realm": p.realm.for_arm("stale")}), "stale") != stage.checkpoint_root(p)
+    # the warm-ups live in the one shared folder, none in either arm's own
+    assert (stage.warmup_root(p) / "reader_warmup").is_dir() and (stage.warmup_root(p) / "ict").is_dir()
+    stale_root = stage.checkpoint_root(p.model_copy(update={"realm": p.realm.for_arm("stale")}), "stale")
+    for root in (stage.checkpoint_root(p), stale_root):
+        assert root.is_dir() and not (root / "reader_warmup").exists() and not (root / "ict").exists()
 
 
 def test_refresh_every_zero_never_refreshes_during_training(ws):

@@ -264,6 +264,8 @@ def test_a_finished_run_resumed_returns_its_weights_metrics_and_rng(tmp_path):
     assert {"loss", "acc", "grad_norm", "lr"} <= set(again.metrics)
     trained, resumed = params_of(first.raw_model), params_of(second.raw_model)
     assert all(torch.equal(trained[k], resumed[k]) for k in trained)
+    assert second.raw_model.training  # in train mode, as a run that trained leaves it
+    assert again.curve == done.curve and len(done.curve) == 4  # the whole loss curve, not just the steps since the resume
     assert torch.equal(torch.rand(3), after_first)  # what follows the phase draws the same numbers
 
 

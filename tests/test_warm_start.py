@@ -251,6 +251,11 @@ def test_without_a_warm_start_nothing_is_warm_started(ws):
 
     summary = train_encoder("pretrain_retromae", tiny_params(), None)
     assert summary["head_warmup_steps"] == 0 and "warm_start" not in summary
+    # a rerun that resumes the finished run (dvc repro -f, another compute.nproc) writes the same curve
+    curve = paths.loss_curve("pretrain_retromae").read_text()
+    assert len(curve.splitlines()) == 1 + tiny_params().retromae.train.max_steps  # log_every 1
+    assert train_encoder("pretrain_retromae", tiny_params(), None)["resumed_from"] == summary["step"]
+    assert paths.loss_curve("pretrain_retromae").read_text() == curve
     assert load_encoder(paths.INIT_ENCODER).config.hidden_size == tiny_params().retromae.encoder.hidden_size
 
 

@@ -65,33 +65,54 @@ def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: 
 
 
 @contextmanager
-def shared_phase(folder: Path, what: str) -> Iterator[Path]:
+def shared_phase(folder: Path, what: str, wait_log_s: float = 60.0) -> Iterator[Path]:
     """A training phase that several stages run identically (the same params, code, data and start,
     so `checkpoint_dir` gives them one folder): bm25's and realm's readers share the own-paragraph
     phase, REALM's two arms their warm-ups. Inside, one stage at a time trains into `folder`; a stage
     that comes later (or waited here while another trained) resumes the finished phase from its last
-    checkpoint instead of training it again (`Trainer.fit` returns at once, weights, RNG and final
-    metrics restored).
+    checkpoint instead of training it again (`Trainer.fit` returns at once, weights, RNG, final
+    metrics and loss curve restored).
 
-    The lock is an flock on `folder/.lock`, held by rank 0 only; the other ranks wait at a barrier, so
-    under torchrun a wait longer than the process group's timeout (30 min) fails the stage."""
+    The lock is an flock on `folder/.lock`, held by rank 0 only, so the process group must exist
+    before (`D.init_distributed`). The other ranks wait at a barrier, so under torchrun a wait longer
+    than the process group's timeout (gloo 30 min, NCCL 10 min by default) fails the stage. flock
+    needs a filesystem that honours it across the machines that share `checkpoints/` (local disk
+    does; NFS mounted with `nolock` does not)."""
+    import time
+
     from components.training import distributed as D
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not D.is_dist():
+        raise RuntimeError(f"{what}: shared_phase under torchrun needs the process group first (D.init_distributed)")
     folder.mkdir(parents=True, exist_ok=True)
-    fd = None
-    if D.is_rank0():
-        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("%s: another stage is training the same phase in %s; waiting, then resuming its result", what, folder)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-    D.barrier()
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644) if D.is_rank0() else None
     try:
+        if fd is not None:
+            t0, last = time.monotonic(), None
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:  # polled, so a long wait keeps saying so
+                    if last is None or time.monotonic() - last >= wait_log_s:
+                        log.info("%s: another stage is training the same phase in %s; waiting (%.0f s so far), "
+                                 "then resuming its result", what, folder, time.monotonic() - t0)
+                        last = time.monotonic()
+                    time.sleep(0.5)
+        D.barrier()
         yield folder
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock
+
+
+def write_loss_curve(path: str | os.PathLike, curve: list[tuple[int, float]]) -> Path:
+    """`step,loss` per logged window (`TrainResult.curve`, which spans resumes): a pre-training
+    stage's DVC out, drawn by `dvc plots show` and by evaluate's training-curve figure, so no DVC
+    output depends on the MLflow store."""
+    from components.io import write_text_atomic
+
+    return write_text_atomic(path, "\n".join(["step,loss", *(f"{s},{v!r}" for s, v in curve)]) + "\n")
 
 
 class RankZeroLogger:
@@ -106,9 +127,7 @@ class RankZeroLogger:
 
 
 class MetricRecorder(RankZeroLogger):
-    """A RankZeroLogger that also keeps every logged window, for the summary (`tail_mean`) and for
-    the stage's loss curve, a DVC-tracked file (`write_curve`): what evaluate and `dvc plots show`
-    draw, so no DVC output depends on the MLflow store."""
+    """A RankZeroLogger that also keeps every logged window, for the summary (`tail_mean`)."""
 
     def __init__(self, run):
         super().__init__(run)
@@ -125,13 +144,6 @@ class MetricRecorder(RankZeroLogger):
         lo = max_steps - max(1, int(round(frac * max_steps)))
         vals = [m[key] for s, m in self.windows if s > lo and key in m]
         return float(np.mean(vals)) if vals else None
-
-    def write_curve(self, path: str | os.PathLike, key: str = "loss") -> Path:
-        """`step,<key>` for every window that logged `key` (a resumed run: the steps since the resume)."""
-        from components.io import write_text_atomic
-
-        rows = [f"{s},{m[key]!r}" for s, m in self.windows if key in m]
-        return write_text_atomic(path, "\n".join([f"step,{key}", *rows]) + "\n")
 
 
 def write_stage_metrics(path: str | os.PathLike, metrics: dict) -> dict:

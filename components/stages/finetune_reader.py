@@ -29,6 +29,7 @@ from components.data.tokenize import load_tokenizer
 from components.paths import CORPUS, TOKENS, reader_out
 from components.stages.common import (ENV_STAGE_ITEM, RankZeroLogger, checkpoint_dir, finish_stage, item_worker, shared_phase,
                                       skip_stage)
+from components.training import distributed as D
 from components.training.batches import seed_everything
 from components.training.finetune import (READER_SECTIONS, new_reader, qa_inputs_exist, reader_init_folder, reader_inputs,
                                          train_gold_reader, train_reader)
@@ -59,6 +60,7 @@ def finetune_reader(params: Params, run=None, item: str | None = None) -> dict:
     skip = _skip_reason(ft, system, qa)
     if skip:
         return skip_stage(stage, out, skip)
+    D.init_distributed(params.compute)  # before shared_phase, which asks for the rank
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
     blocks = datasets.load_from_disk(str(TOKENS / "blocks"))
     log_fn = RankZeroLogger(run)

@@ -27,8 +27,8 @@ final index.
 4. The end: held-out masked-token accuracy and probe recall with the final index and with the one
    training last used; models/realm/ (retriever/, knowledge_augmented_encoder/, index/first/,
    index/final/, model_card.md, realm_config.json; ict_retriever/ when ICT ran: the retriever after
-   ICT, before any REALM step, evaluate's `ict` row), metrics/pretrain_realm.json and
-   plots/realm_refresh.csv.
+   ICT, before any REALM step, evaluate's `ict` row), metrics/pretrain_realm.json,
+   plots/realm_refresh.csv and the loss curve plots/loss_pretrain_realm.csv (`_stale` for the stale arm).
 
 Resume: the Trainer restores weights, optimizer and RNG; the first refresh removes any half-written
 index and builds from the RESUMED weights, so an index from a killed run is never used. Sync
@@ -59,7 +59,7 @@ from components.index.realm_refresh import IndexRefresh, RefreshContext, Refresh
 from components.io import atomic_dir, write_json_atomic, write_text_atomic
 from components.models.realm import REALM_CONFIG, build_model
 from components.stages.common import (ENV_STAGE_ITEM, MetricRecorder, RankZeroLogger, checkpoint_dir, shared_phase,
-                                      torchrun_worker, write_stage_metrics)
+                                      torchrun_worker, write_loss_curve, write_stage_metrics)
 from components.training import distributed as D
 from components.training.optim import LrGroup
 from components.training.precision import autocast_for
@@ -303,7 +303,7 @@ def train_realm(
         if "ict_steps" in info:
             shutil.copytree(ict_retriever, tmp / paths.ICT_RETRIEVER)
     write_text_atomic(plot_path, refresh.csv_text())
-    recorder.write_curve(paths.loss_curve(f"{STAGE}@{arm}"))
+    write_loss_curve(paths.loss_curve(f"{STAGE}@{arm}"), result.curve)
     summary = write_stage_metrics(metrics_path, summary)
     log.info("%s: %s", STAGE, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     D.barrier()

@@ -36,7 +36,7 @@ from components.models.encoder import frozen_encoder_body, head_param_names, sav
 from components.models.mlm import MLMModel
 from components.models.retromae import RetroMAE
 from components.paths import INIT_ENCODER, MLM_OUT, RETROMAE_OUT, TOKENS, loss_curve, stage_metrics
-from components.stages.common import MetricRecorder, checkpoint_dir, torchrun_worker, write_stage_metrics
+from components.stages.common import RankZeroLogger, checkpoint_dir, torchrun_worker, write_loss_curve, write_stage_metrics
 from components.training import distributed as D
 from components.training.optim import LrGroup, phase_params
 from components.training.trainer import TrainResult, Trainer, prefixed
@@ -125,7 +125,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
             run.set_tags({"rr.warm_start": warm, "rr.head_warmup_steps": params.warm_start.head_warmup_steps})
     ckpt_root = checkpoint_dir(stage, params, ["retromae", "warm_start"] if stage == "pretrain_retromae" else ["retromae", "mlm", "warm_start"],
                                inputs=[warm] if warm is not None else [])  # the warm start by content (a hub name: by name)
-    log_fn = MetricRecorder(run)
+    log_fn = RankZeroLogger(run)
     head = {"head_warmup_steps": 0}
     if params.warm_start.head_warmup_steps:
         res = head_warmup(model, data, collate, params, ckpt_root / "head_warmup", log_fn)
@@ -144,7 +144,7 @@ def train_encoder(stage: str, params: Params, run=None, tokens_dir: Path = TOKEN
         write_text_atomic(out / "model_card.md", _model_card(stage, params, result,
                                                              "RetroMAE: masked auto-encoder with enhanced decoding." if stage == "pretrain_retromae"
                                                              else "Plain whole-word MLM baseline, same encoder, data and steps as RetroMAE."))
-        log_fn.write_curve(loss_curve(stage))
+        write_loss_curve(loss_curve(stage), result.curve)
         summary = write_stage_metrics(stage_metrics(stage), summary)
     D.barrier()
     return summary

@@ -42,6 +42,7 @@ from components.paths import INIT_ENCODER, MLM_ENCODER, REALM_OUT, REALM_SYSTEM_
 from components.retrieval.negatives import mine_dense_negatives
 from components.retrieval.search import bm25_qa_blocks, frozen_search_fn, gold_qa_blocks, load_block_index, tower_search_fn
 from components.training.optim import LrGroup, phase_params
+from components.training.resume import model_metrics
 from components.training.trainer import Trainer, TrainResult, prefixed
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ def train_gold_reader(params: Params, tokenizer, blocks, qa: list[dict], reader,
     result = trainer.fit()
     return trainer.raw_model.reader, {"qa.gold.questions": len(rows), "qa.gold.steps": result.step,
                                       "qa.gold.resumed_from": result.resumed_from or 0,
-                                      **{f"qa.gold.final_{k}": v for k, v in result.metrics.items()}}
+                                      **{f"qa.gold.final_{k}": v for k, v in model_metrics(result.metrics).items()}}
 
 
 def train_reader(params: Params, tokenizer, system: str, blocks, qa: list[dict], reader, ckpt: Path, log_fn):

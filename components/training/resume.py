@@ -16,7 +16,13 @@ if TYPE_CHECKING:
     from components.training.trainer import Trainer
 
 
-MACHINE_METRICS = ("samples_per_s", "tokens_per_s", "rss_mb")  # a window's throughput and memory, not the model's
+# What `Trainer._log` measures of the machine in a window (throughput, memory), not of the model: left
+# out of checkpoints and of shared phases' summaries, so two identical runs write identical files.
+MACHINE_METRICS = ("samples_per_s", "tokens_per_s", "rss_mb")
+
+
+def model_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if k not in MACHINE_METRICS}
 
 
 def trainer_state(trainer: "Trainer") -> dict[str, Any]:
@@ -33,7 +39,8 @@ def trainer_state(trainer: "Trainer") -> dict[str, Any]:
         "consecutive_bad": trainer.consecutive_bad,
         # the last logged window, so a resume of a finished run (a shared phase) reports what the run
         # ended with; not what the machine measured, which would make two identical runs' checkpoints differ
-        "metrics": {k: float(v) for k, v in trainer.last_metrics.items() if k not in MACHINE_METRICS},
+        "metrics": model_metrics(trainer.last_metrics),
+        "curve": [[s, v] for s, v in trainer.curve],  # the loss curve a resumed run writes whole
     }  # fmt: skip
 
 
@@ -86,6 +93,7 @@ def resume_trainer(trainer: "Trainer") -> None:
     trainer.bad_steps = int(state.get("bad_steps", 0))
     trainer.consecutive_bad = int(state.get("consecutive_bad", 0))
     trainer.last_metrics = dict(state.get("metrics", {}))
+    trainer.curve = [(int(s), float(v)) for s, v in state.get("curve", []) if s <= trainer.step]
     trainer.resumed_from = trainer.step
     trainer.last_checkpoint = path
     D.barrier()

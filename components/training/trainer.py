@@ -77,6 +77,7 @@ class TrainResult:
     resumed_from: int | None  # step of the checkpoint resumed from
     checkpoint: Path | None  # the final checkpoint folder
     elapsed_s: float = 0.0
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of every logged window, resumes included
 
 
 @dataclass
@@ -185,6 +186,7 @@ class Trainer:
         self.consecutive_bad = 0
         self.resumed_from: int | None = None
         self.last_metrics: dict[str, float] = {}
+        self.curve: list[tuple[int, float]] = []  # (step, loss) per logged window; checkpointed, so it spans resumes
         self.last_checkpoint: Path | None = None
 
     @property
@@ -200,7 +202,8 @@ class Trainer:
         resume_trainer(self)
         for fn in self.hooks.on_train_start:
             fn(self.step, self)
-        if self.step >= self.train.max_steps:
+        if self.step >= self.train.max_steps:  # a finished run resumed: left as training leaves it
+            self.raw_model.train()
             return self._result(t_start)
 
         batches = self._batches()
@@ -261,6 +264,7 @@ class Trainer:
             resumed_from=self.resumed_from,
             checkpoint=self.last_checkpoint,
             elapsed_s=time.perf_counter() - t_start,
+            curve=list(self.curve),
         )
 
     def _batches(self):
@@ -386,7 +390,10 @@ class Trainer:
         if self._have_tokens:
             metrics["tokens_per_s"] = vals[-1] / elapsed
         metrics["rss_mb"] = memory.rss_mb()  # this rank's host memory: a leak shows as a rising curve
+        # (throughputs and rss_mb are resume.MACHINE_METRICS: keep a new measurement of the machine there)
         self.last_metrics = metrics
+        if "loss" in metrics:
+            self.curve.append((self.step, float(metrics["loss"])))
         if self.log_fn is not None and self.is_rank0:
             self.log_fn(metrics, self.step)
         self._reset_window()
