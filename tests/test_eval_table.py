@@ -402,6 +402,62 @@ def test_readers_from_one_encoder_share_the_gold_phase(world, monkeypatch):
     assert all(torch.equal(handed["realm"][k], handed["bm25"][k]) for k in handed["realm"])
 
 
+def test_a_system_that_reads_what_another_read_gets_its_answers(tmp_path, monkeypatch):
+    """evaluate reads each (reader, index) once: two REALM arms that ended alike (the default's 6
+    steps) share qa:realm's predictions. The key is content: the reader folder and the index's
+    vectors and ids, not its manifest's version; one changed byte of either reads again."""
+    import json
+
+    from components.eval import rows as rows_lib
+
+    arms = {s: tmp_path / s for s in ("realm", "realm-stale")}
+    for version, arm in enumerate(arms.values(), start=1):
+        (arm / "index" / "final").mkdir(parents=True)
+        (arm / "index" / "final" / "meta.json").write_text(json.dumps(
+            {"version": version, "created_unix": version, "type": "flat", "dim": 4, "n": 2,
+             "files": {"index.faiss": {"sha256": "ab", "bytes": 1}}}))
+    qa_dir = tmp_path / "open_qa"
+    for system in ("bm25", *arms):
+        (qa_dir / system / "reader").mkdir(parents=True)
+        (qa_dir / system / "reader" / "model.safetensors").write_bytes(b"weights")
+    monkeypatch.setattr(rows_lib, "REALM_SYSTEM_OUT", arms)
+    digest = {s: rows_lib.reads_digest(s, qa_dir) for s in ("bm25", *arms)}
+    assert digest["realm"] == digest["realm-stale"] != digest["bm25"]  # bm25 reads its own top k
+
+    (qa_dir / "realm-stale" / "reader" / "model.safetensors").write_bytes(b"weightz")
+    assert rows_lib.reads_digest("realm-stale", qa_dir) != digest["realm"]
+    (qa_dir / "realm-stale" / "reader" / "model.safetensors").write_bytes(b"weights")
+    meta = json.loads((arms["realm-stale"] / "index" / "final" / "meta.json").read_text())
+    meta["files"]["index.faiss"]["sha256"] = "cd"
+    (arms["realm-stale"] / "index" / "final" / "meta.json").write_text(json.dumps(meta))
+    assert rows_lib.reads_digest("realm-stale", qa_dir) != digest["realm"]
+
+
+def test_qa_rows_read_each_reader_and_index_once(world, monkeypatch, tmp_path):
+    """Two systems with one digest are read once, and the second row gets the first's answers."""
+    from components.data.tokenize import load_tokenizer
+    from components.eval import open_qa
+    from components.eval import rows as rows_lib
+
+    real_for_system, loaded = open_qa.OpenQAPredictor.for_system, []
+
+    def counting(system, *a, **kw):
+        loaded.append(system)
+        return real_for_system(system, *a, **kw)
+
+    monkeypatch.setattr(open_qa.OpenQAPredictor, "for_system", staticmethod(counting))
+    monkeypatch.setattr(rows_lib, "reads_digest", lambda system, _: "arm" if system.startswith("realm") else system)
+    with contextlib.chdir(world["root"]):
+        p = world["params"]
+        tok = load_tokenizer(paths.TOKENS / "tokenizer")
+        out = rows_lib.qa_rows(p, rows_lib.eval_sets(p, tok)[0], tok, tmp_path)
+    assert loaded == ["bm25", "realm"]  # realm-stale was not read again
+    by = {r["system"]: r for r in out}
+    assert by["qa:realm-stale"]["em"] == by["qa:realm"]["em"] and by["qa:realm-stale"]["f1"] == by["qa:realm"]["f1"]
+    stale, realm = (per_query_path(tmp_path, "main", f"qa:{s}").read_text() for s in ("realm-stale", "realm"))
+    assert stale == realm
+
+
 def test_bm25_reader_scores_blocks_uniformly():
     """A system without a query tower: p(z|x) uniform over the top k, whatever the batch holds."""
     from components.models.reader import OpenQA

@@ -177,6 +177,23 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
     return rows
 
 
+def reads_digest(system: str, open_qa_dir: Path) -> str:
+    """What an open-QA system's predictions are a function of, by content: its trained reader folder
+    (reader and query tower) and, for a dense system, its arm's final index (the vectors and ids, not
+    the manifest, whose version and time differ between arms); BM25 reads the blocks themselves."""
+    import hashlib
+    import json
+
+    from components.io import tree_digest
+
+    arm = REALM_SYSTEM_OUT.get(system)
+    index = "bm25"
+    if arm is not None:
+        meta = json.loads((arm / "index" / "final" / "meta.json").read_text())
+        index = json.dumps({k: meta.get(k) for k in ("files", "type", "search_params", "dim", "n")}, sort_keys=True)
+    return hashlib.sha256(f"{tree_digest(open_qa_dir / system, 'sha256')[0]}\n{index}".encode()).hexdigest()
+
+
 def qa_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> list[dict]:
     """Open-QA EM/F1 of every `finetune.qa_systems` entry whose reader finetune_reader trained, each over
     its own top k; closed-book reads the null document only (an extractive reader answers "")."""
@@ -201,14 +218,23 @@ def qa_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> list[dict]
         log.info("%-12s %-14s EM=%.3f F1=%.3f (%.1fs)", es.name, f"qa:{system}", m["em"], m["f1"], seconds)
 
     bm25 = None
+    read: dict[str, tuple[str, dict[str, str]]] = {}  # what a system reads (its digest) -> (system, predictions)
     for system in trained:
         t0 = time.perf_counter()
+        key = reads_digest(system, OPEN_QA_OUT)
+        if key in read:  # the same reader over the same blocks (two REALM arms that ended alike): the same answers
+            first, preds = read[key]
+            log.info("qa:%s reads exactly what qa:%s read (the same reader and index): its predictions are those", system, first)
+            add(system, dict(preds), time.perf_counter() - t0)
+            continue
         if system == "bm25":
             from components.retrieval.search import bm25_over_blocks
 
             bm25 = bm25_over_blocks(list(es.blocks["text"]))
         qa = OpenQAPredictor.for_system(system, params.finetune, tokenizer, blocks=es.blocks, bm25=bm25)
-        add(system, qa.predict_all(questions), time.perf_counter() - t0)
+        preds = qa.predict_all(questions)
+        read[key] = (system, preds)
+        add(system, preds, time.perf_counter() - t0)
         if "closed-book" in systems and "closed-book" not in results:
             t0 = time.perf_counter()  # any trained reader: with no block there is no span to answer
             add("closed-book", qa.predict_all(questions, closed_book=True), time.perf_counter() - t0)
