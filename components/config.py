@@ -11,6 +11,12 @@ values raise `ParamsError`, whose message names the dotted key, what was given a
 A section built in code (`RealmParams(top_k=4)`, in tests and tools) takes the keys it is not given
 from the repo's `params.yaml` (the default), so every value is written in one place.
 
+The trainer knobs every training stage shares (weight decay, Adam, warm-up ratio, clipping, checkpoints
+kept, ...) are written once, in the `trainer` group; each stage's trainer block (`retromae.train`,
+`realm.train`, `finetune.train`, `finetune.qa_train`) holds its own keys and may set a shared one, which
+then overrides the group for that stage only. `load_params` fills the blocks after presets and
+overrides are applied, so `p.realm.train.weight_decay` is what REALM trains with.
+
 Presets (`params/tiny.yaml`, `params/small.yaml`, `params/paper.yaml`) are partial files. The pipeline writes one into
 `params.yaml` as `dvc exp run -S` overrides (`python -m flows.pipeline --preset paper`), so DVC sees
 every value a stage ran with; `load_params(presets=[...])` merges one in memory for tests and tools.
@@ -30,12 +36,24 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError, model_validator
 
-from components.config_file import PARAMS_FILE, ParamsError, read_yaml
-from components.config_shared import ComputeParams, Section, TrackingParams, WarmStartParams
+from components.config_file import (PARAMS_FILE, TRAIN_BLOCKS, TRAINER, ParamsError, inherit_trainer, inherited_keys,
+                                    read_yaml)
+from components.config_shared import ComputeParams, Section, TrackingParams, TrainerParams, WarmStartParams
 from components.config_stages import (DataParams, EvaluateParams, FinetuneParams, MLMParams, RealmParams,
                                       RetroMAEParams, TokenizeParams)
 
 ENV_PRESETS = "RETRO_REALM_PRESETS"  # refused: a preset merged at load time is invisible to DVC
+
+
+class _Unset:
+    """An override value that removes the key (`dvc exp run -S '~key'`): a stage's trainer block then
+    takes it from the `trainer` group again."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
 
 
 class Params(Section):
@@ -43,6 +61,7 @@ class Params(Section):
     compute: ComputeParams
     tracking: TrackingParams
     warm_start: WarmStartParams
+    trainer: TrainerParams
     data: DataParams
     tokenize: TokenizeParams
     retromae: RetroMAEParams
@@ -81,7 +100,7 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
-    """Set dotted keys (`{"retromae.train.max_steps": 5}`), as `dvc exp run -S` does."""
+    """Set dotted keys (`{"retromae.train.max_steps": 5}`), as `dvc exp run -S` does; `UNSET` removes one."""
     out = copy.deepcopy(raw)
     for dotted, value in (overrides or {}).items():
         node = out
@@ -90,19 +109,38 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ParamsError(f"override {dotted!r}: {p!r} is not a section")
-        node[leaf] = value
+        if value is UNSET:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
     return out
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: {err.error_count()} invalid param(s):"]
-    for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"]) or "<root>"
+def _format_errors(err: ValidationError, source: str, inherited: dict[str, str] | None = None) -> str:
+    """One line per invalid key. A value a trainer block takes from the `trainer` group is named once,
+    at the group (`inherited`: {`<block>.<key>`: `trainer.<key>`}, validated with the same bounds), not
+    again in every block that does not set it."""
+    inherited = inherited or {}
+    errors = [(".".join(str(x) for x in e["loc"]) or "<root>", e) for e in err.errors()]
+    at_group = {key for key, _ in errors if key == TRAINER or key.startswith(TRAINER + ".")}
+    lines = []
+    for key, e in errors:
+        block, _, leaf = key.rpartition(".")
+        shared_key = block in TRAIN_BLOCKS and leaf in TrainerParams.model_fields
+        said_at_group = inherited.get(key) in at_group or (
+            shared_key and e["type"] == "missing" and bool(at_group & {TRAINER, f"{TRAINER}.{leaf}"}))
+        if said_at_group:
+            continue
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             parent = _model_at(e["loc"][:-1])
             allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
             msg = f"unknown key; allowed keys here: {allowed}"
+        elif e["type"] == "missing" and key == TRAINER:
+            msg = (f"missing; the trainer knobs every training stage shares ({', '.join(TrainerParams.model_fields)}) "
+                   f"are written once in `{TRAINER}`, a stage's train block overriding any (the repo's {PARAMS_FILE} has it)")
+        elif e["type"] == "missing" and shared_key:
+            msg = f"missing; a shared trainer knob: set it in `{TRAINER}` (every training stage) or here (this stage only)"
         elif e["type"] == "missing":
             msg = f"missing; {PARAMS_FILE} spells out every knob (the repo's {PARAMS_FILE} has each one with the default's value)"
         elif e["type"] == "literal_error":
@@ -110,7 +148,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
         elif "input" in e and not isinstance(e["input"], dict):
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  - {key}: {msg}")
-    return "\n".join(lines)
+    return "\n".join([f"{source}: {len(lines)} invalid param(s):", *lines])
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:
@@ -139,6 +177,6 @@ def load_params(
     raw = apply_overrides(raw, overrides)
     try:
         # strict: every key comes from the file; a missing one is an error, never a value from elsewhere
-        return Params.model_validate(raw, context={"strict": True})
+        return Params.model_validate(inherit_trainer(raw), context={"strict": True})
     except ValidationError as e:
-        raise ParamsError(_format_errors(e, str(path))) from None
+        raise ParamsError(_format_errors(e, str(path), inherited_keys(raw))) from None

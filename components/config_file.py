@@ -1,17 +1,24 @@
-"""params.yaml as a file: its name, reading one (a malformed file is a `ParamsError` naming it), and
-the repo's own copy, whose values fill the keys a section built in code is not given
+"""params.yaml as a file: its name, reading one (a malformed file is a `ParamsError` naming it), its
+one layout rule (the shared `trainer` group under each stage's trainer block, `inherit_trainer`),
+and the repo's own copy, whose values fill the keys a section built in code is not given
 (`components.config_shared.Section`).
 """
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 PARAMS_FILE = "params.yaml"
 DEFAULT_FILE = Path(__file__).resolve().parents[1] / PARAMS_FILE  # the repo's params.yaml: the default's values
+# The trainer knobs every training stage shares are written once, in the top-level `trainer` group; each
+# stage's block (a `TrainParams`) holds its own keys and may override any shared one.
+TRAINER = "trainer"
+TRAIN_BLOCKS = ("retromae.train", "realm.train", "finetune.train", "finetune.qa_train")
 
 
 class ParamsError(ValueError):
@@ -20,7 +27,39 @@ class ParamsError(ValueError):
 
 @lru_cache(maxsize=1)
 def default_params() -> dict:
-    return read_yaml(DEFAULT_FILE)
+    """The repo's params.yaml, its trainer blocks filled from the `trainer` group (`inherit_trainer`)."""
+    return inherit_trainer(read_yaml(DEFAULT_FILE))
+
+
+def _block(raw: dict, dotted: str) -> dict | None:
+    node: Any = raw
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def inherit_trainer(raw: dict) -> dict:
+    """`raw` with every trainer block of `TRAIN_BLOCKS` filled from the `trainer` group: the block's own
+    keys win (a per-stage override), the group gives the rest. The group itself stays, for validation."""
+    shared = raw.get(TRAINER)
+    if not isinstance(shared, dict):
+        return raw  # absent or malformed: validation names `trainer`
+    out = copy.deepcopy(raw)
+    for dotted in TRAIN_BLOCKS:
+        block = _block(out, dotted)
+        if block is not None:  # absent or malformed: validation names it
+            for key, value in shared.items():
+                block.setdefault(key, copy.deepcopy(value))
+    return out
+
+
+def inherited_keys(raw: dict) -> dict[str, str]:
+    """{`<block>.<key>`: `trainer.<key>`} for each key a trainer block takes from the group (not set in it)."""
+    shared = raw.get(TRAINER)
+    if not isinstance(shared, dict):
+        return {}
+    return {f"{dotted}.{key}": f"{TRAINER}.{key}" for dotted in TRAIN_BLOCKS if (block := _block(raw, dotted)) is not None
+            for key in shared if key not in block}
 
 
 def read_yaml(path: Path) -> dict:

@@ -1,6 +1,6 @@
 """The base of every params section, and the sub-sections several stages share: compute, tracking,
-the warm start, the encoder and the trainer. Each stage's own section is in `components.config_stages`;
-the whole file, `Params`, in `components.config`.
+the warm start, the encoder, the `trainer` group and the trainer block each training stage has. Each
+stage's own section is in `components.config_stages`; the whole file, `Params`, in `components.config`.
 """
 
 from __future__ import annotations
@@ -122,24 +122,32 @@ class EncoderParams(Section):
         return self
 
 
-class TrainParams(Section):
-    """The shared trainer's knobs; each training stage has its own copy."""
+class TrainerParams(Section):
+    """`trainer`: the optimiser and checkpoint knobs every training stage shares, written once. Each
+    stage's `TrainParams` block takes the ones it does not set from here (`config_file.inherit_trainer`)."""
+    defaults_from: ClassVar[str | None] = "trainer"
+
+    weight_decay: float = Field(ge=0)
+    warmup_ratio: float = Field(ge=0, le=1)
+    max_grad_norm: float = Field(ge=0, description="0 disables clipping")
+    adam_beta1: float = Field(gt=0, lt=1)
+    adam_beta2: float = Field(gt=0, lt=1)
+    adam_eps: float = Field(gt=0)
+    keep_checkpoints: int = Field(ge=1)
+    max_bad_steps: int = Field(ge=0, description="stop after this many consecutive NaN/inf losses")
+    num_workers: int = Field(ge=0)
+
+
+class TrainParams(TrainerParams):
+    """A training stage's trainer: its own knobs, and the shared `trainer` ones (set here, they override
+    the group for this stage only). Each training stage has its own block."""
     defaults_from: ClassVar[str | None] = "retromae.train"  # a TrainParams built alone: RetroMAE's
 
     batch_size: int = Field(ge=1, description="global batch per optimiser step (all ranks, before accumulation)")
     grad_accum: int = Field(ge=1)
     lr: float = Field(gt=0, le=1.0)
-    weight_decay: float = Field(ge=0)
-    warmup_ratio: float = Field(ge=0, le=1)
     max_steps: int = Field(ge=1)
-    max_grad_norm: float = Field(ge=0, description="0 disables clipping")
-    adam_beta1: float = Field(gt=0, lt=1)
-    adam_beta2: float = Field(gt=0, lt=1)
-    adam_eps: float = Field(gt=0)
     checkpoint_every: int = Field(ge=1)
-    keep_checkpoints: int = Field(ge=1)
-    max_bad_steps: int = Field(ge=0, description="stop after this many consecutive NaN/inf losses")
-    num_workers: int = Field(ge=0)
 
     def warmup_steps(self) -> int:
         """Linear warm-up steps before the LR peaks: int(warmup_ratio * max_steps)."""

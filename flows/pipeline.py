@@ -338,12 +338,14 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
 
 
 def _parse_set(items: list[str]) -> dict:
+    """`--set key=value` items as overrides. DVC's `+key=value` / `++key=value` (a key params.yaml does
+    not hold yet) are taken too: apply_param_overrides adds the `+` itself where it is needed."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set expects key=value, got {item!r}")
-        out[key] = yaml.safe_load(value)
+        out[key.lstrip("+")] = yaml.safe_load(value)
     return out
 
 

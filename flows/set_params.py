@@ -4,6 +4,12 @@ written into params.yaml by DVC's own `-S` code, so comments and layout stay and
 
     apply_param_overrides(preset_switch("small"))                # params/small.yaml, other presets' keys reset
     apply_param_overrides({"retromae.train.max_steps": 200})    # validated first: a bad key writes nothing
+    apply_param_overrides({"realm.train.weight_decay": 0.0})    # a key not in the file yet: `-S +key=value`
+    apply_param_overrides({"realm.train.weight_decay": UNSET})  # removed (`-S ~key`): `trainer`'s again
+
+A key params.yaml does not hold yet, e.g. a per-stage override of a shared `trainer` key, is written
+the way `dvc exp run` needs it spelled: `-S +realm.train.weight_decay=0.0` (DVC refuses a plain
+`-S key=value` for a key that is not in the file).
 
 The pipeline flow (flows/pipeline.py) calls these before `dvc repro`.
 """
@@ -17,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from components.config import load_params
-from components.config_file import PARAMS_FILE, ParamsError
+from components.config import UNSET, load_params
+from components.config_file import PARAMS_FILE, ParamsError, read_yaml
 
 PRESETS_DIR = Path("params")
 log = logging.getLogger(__name__)
@@ -54,7 +60,9 @@ def _committed_params() -> dict | None:
 def preset_switch(preset: str) -> dict[str, Any]:
     """What `--preset` writes into params.yaml: the preset's keys, and every key that another preset
     names reset to its committed value, so presets switch instead of stacking (`tiny` then `small`
-    is small, not small over tiny's world). `default` writes only the reset."""
+    is small, not small over tiny's world). A key the committed file does not hold (a preset's
+    per-stage override of a `trainer` key) is reset by removing it (`UNSET`). `default` writes only
+    the reset."""
     own = {} if preset == "default" else preset_overrides(preset)
     base = _committed_params()
     if base is None:
@@ -62,7 +70,7 @@ def preset_switch(preset: str) -> dict[str, Any]:
         return own
     named = set().union(*(preset_overrides(str(f)).keys() for f in sorted(PRESETS_DIR.glob("*.yaml"))))
     committed = _leaves(base)
-    reset = {key: committed[key] for key in sorted(named - own.keys()) if key in committed}
+    reset = {key: committed.get(key, UNSET) for key in sorted(named - own.keys())}
     return {**reset, **own}
 
 
@@ -83,18 +91,39 @@ def _hydra_value(v: Any) -> str:
     raise ParamsError(f"cannot write {v!r} ({type(v).__name__}) into {PARAMS_FILE}")
 
 
-def set_params_args(overrides: dict[str, Any]) -> list[str]:
-    """The `-S key=value` arguments of `dvc exp run` that set `overrides`."""
-    return [f"{k}={_hydra_value(v)}" for k, v in overrides.items()]
+def _holds(raw: dict, dotted: str) -> bool:
+    node: Any = raw
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def set_params_args(overrides: dict[str, Any], current: dict | None = None) -> list[str]:
+    """The `-S` arguments of `dvc exp run` that set `overrides` in a params file holding `current`:
+    `key=value`; `+key=value` for a key `current` does not hold (Hydra's append: DVC refuses to set a
+    missing key otherwise); `~key` removes one (`UNSET`). Without `current`, every key is taken as held."""
+    args = []
+    for k, v in overrides.items():
+        if v is UNSET:
+            args.append(f"~{k}")
+        else:
+            args.append(f"{'' if current is None or _holds(current, k) else '+'}{k}={_hydra_value(v)}")
+    return args
 
 
 def apply_param_overrides(overrides: dict | None, path: str = PARAMS_FILE) -> bool:
     """Write dotted overrides into params.yaml with DVC's own `dvc exp run -S` code (a round-trip
-    edit: comments, key order and layout stay). Validated first: a bad key writes nothing."""
+    edit: comments, key order and layout stay). Validated first: a bad key writes nothing. `UNSET`
+    removes a key (one the file does not hold is left alone)."""
     if not overrides:
         return False
     from dvc.utils.hydra import apply_overrides
 
     load_params(path, overrides=overrides)  # raises ParamsError naming the key if invalid
-    apply_overrides(path, set_params_args(overrides))
-    return True
+    current = read_yaml(Path(path))
+    todo = {k: v for k, v in overrides.items() if v is not UNSET or _holds(current, k)}
+    if todo:
+        apply_overrides(path, set_params_args(todo, current))
+    return bool(todo)

@@ -115,3 +115,37 @@ def test_shared_phase_lets_one_stage_train_at_a_time(tmp_path):
     b.join(30)
     assert not a.is_alive() and not b.is_alive()
     assert events == ["a in", "a out", "b in"]
+
+
+def test_every_training_stages_key_follows_the_shared_trainer_group(tmp_path, monkeypatch):
+    """The shared `trainer` group is filled into each stage's trainer block before the key is taken, so
+    a change to it is a fresh folder for every training stage (an interrupted run never resumes under
+    other optimiser settings), a per-stage override for the stages keyed by that section, and an
+    override equal to the group's value for none."""
+    from components.config import UNSET
+    from components.stages import pretrain_realm
+    from components.training.finetune import READER_SECTIONS, START_SECTIONS
+
+    monkeypatch.setattr(common, "code_digest", lambda: "code")  # the same code throughout; hashing it is slow
+    keys = {  # each stage's own sections, as its stage body passes them
+        "pretrain_retromae": lambda p: checkpoint_dir("pretrain_retromae", p, ["retromae", "warm_start"], tmp_path),
+        "pretrain_mlm": lambda p: checkpoint_dir("pretrain_mlm", p, ["retromae", "mlm", "warm_start"], tmp_path),
+        "pretrain_realm": lambda p: pretrain_realm.checkpoint_root(p, corpus_dir=tmp_path),
+        "pretrain_realm_warmup": lambda p: pretrain_realm.warmup_root(p, corpus_dir=tmp_path),
+        "finetune_retriever": lambda p: checkpoint_dir("ft", p, ["finetune", "warm_start", *START_SECTIONS["init"]], tmp_path),
+        "finetune_reader": lambda p: checkpoint_dir("qa", p, READER_SECTIONS, tmp_path),
+    }
+
+    def changed(**overrides) -> set[str]:
+        base, other = tiny_params(), tiny_params(**overrides)
+        return {stage for stage, key in keys.items() if key(base) != key(other)}
+
+    assert changed(**{"trainer.max_grad_norm": 0.5}) == set(keys)
+    assert changed(**{"trainer.keep_checkpoints": 3}) == set(keys)
+    # REALM's override: its stages and the readers (keyed by realm, as they read its index and arms)
+    assert changed(**{"realm.train.max_grad_norm": 0.5}) == {"pretrain_realm", "pretrain_realm_warmup", "finetune_reader"}
+    assert changed(**{"realm.train.max_grad_norm": 1.0}) == set()  # = the group's value: the same folder
+    # a group change every block overrides back to today's value changes nothing that trains
+    every = {f"{b}.max_grad_norm": 1.0 for b in ("retromae.train", "realm.train", "finetune.train", "finetune.qa_train")}
+    assert changed(**{"trainer.max_grad_norm": 0.5, **every}) == set()
+    assert changed(**{"retromae.train.max_grad_norm": UNSET}) == set()  # not set there: nothing to remove

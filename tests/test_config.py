@@ -125,3 +125,114 @@ def test_small_preset_loads_and_validates():
     assert p.realm.block_len >= p.tokenize.retrieval_block_len + 2 and p.evaluate.passage_len >= p.tokenize.retrieval_block_len + 2
     tiny = load_params(ROOT / "params.yaml", presets=[ROOT / "params/tiny.yaml"])
     assert tiny.warm_start.head_lr is None and tiny.warm_start.path is None  # the tiny preset is unchanged
+
+
+# ----------------------------------------------------------------------------------------------
+# the shared `trainer` group (issue 29): written once, filled into each stage's trainer block
+# ----------------------------------------------------------------------------------------------
+SHARED = {"weight_decay": 0.01, "warmup_ratio": 0.1, "max_grad_norm": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
+          "adam_eps": 1e-08, "keep_checkpoints": 2, "max_bad_steps": 5, "num_workers": 0}
+OWN = ("batch_size", "grad_accum", "lr", "max_steps", "checkpoint_every")
+# Every preset's trainer blocks as they resolved before the group existed (aa05e94, each block spelling out
+# all its keys): the group changed the file's shape, no value. A deliberate value change updates this table.
+BEFORE_GROUP = {
+    "default": {"retromae.train": (8, 1, 2e-5, 150, 50), "realm.train": (4, 2, 3e-5, 6, 6, "ratio"),
+                "finetune.train": (8, 1, 5e-5, 15, 15), "finetune.qa_train": (4, 1, 1e-4, 4, 4)},
+    "tiny": {"retromae.train": (16, 1, 3e-4, 60, 20), "realm.train": (8, 1, 3e-5, 200, 20, "ratio"),
+             "finetune.train": (16, 1, 1e-3, 40, 20), "finetune.qa_train": (4, 1, 5e-4, 20, 10)},
+    "small": {"retromae.train": (8, 1, 2e-5, 200, 50), "realm.train": (8, 8, 3e-5, 60, 20, "ratio"),
+              "finetune.train": (8, 1, 5e-5, 60, 20), "finetune.qa_train": (4, 1, 1e-4, 20, 20)},
+    "paper": {"retromae.train": (256, 1, 1e-4, 267000, 2000), "realm.train": (512, 1, 3e-5, 200000, 2000, "realm"),
+              "finetune.train": (128, 1, 2e-5, 20000, 2000), "finetune.qa_train": (1, 1, 1e-5, 10000, 2000)},
+}
+
+
+def _preset(name: str, **overrides):
+    return load_params(ROOT / "params.yaml", presets=[] if name == "default" else [ROOT / "params" / f"{name}.yaml"],
+                       overrides=overrides or None)
+
+
+def _block(p, dotted: str):
+    section, block = dotted.split(".")
+    return getattr(getattr(p, section), block)
+
+
+@pytest.mark.parametrize("preset", list(BEFORE_GROUP))
+def test_every_presets_trainer_blocks_resolve_to_the_values_before_the_group(preset):
+    p = _preset(preset)
+    assert p.trainer.model_dump() == SHARED
+    for dotted, own in BEFORE_GROUP[preset].items():
+        want = {**SHARED, **dict(zip(OWN, own))}
+        if dotted == "realm.train":
+            want |= {"warmup_rule": own[5], "retriever_lr": None}
+        assert _block(p, dotted).model_dump() == want, (preset, dotted)
+
+
+def test_each_shared_key_is_written_once_and_every_trainer_block_is_filled_from_it():
+    from components.config_file import TRAIN_BLOCKS
+    from components.config_shared import TrainerParams, TrainParams
+
+    # the blocks the group fills are exactly the TrainParams fields of Params
+    typed = {f"{s}.{k}" for s, f in Params.model_fields.items() for k, g in getattr(f.annotation, "model_fields", {}).items()
+             if isinstance(g.annotation, type) and issubclass(g.annotation, TrainParams)}
+    assert typed == set(TRAIN_BLOCKS) == set(BEFORE_GROUP["default"])
+    assert set(TrainParams.model_fields) - set(TrainerParams.model_fields) == set(OWN)
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert raw["trainer"] == SHARED
+    for dotted in TRAIN_BLOCKS:
+        section, block = dotted.split(".")
+        assert not set(raw[section][block]) & set(SHARED), f"{dotted} repeats a shared key"
+
+
+def test_a_key_set_in_a_block_overrides_the_group_for_that_stage_only():
+    from components.config import UNSET
+
+    p = load_params(ROOT / "params.yaml", overrides={"trainer.weight_decay": 0.02, "realm.train.weight_decay": 0.0})
+    assert p.trainer.weight_decay == 0.02
+    assert {d: _block(p, d).weight_decay for d in BEFORE_GROUP["default"]} == {
+        "retromae.train": 0.02, "realm.train": 0.0, "finetune.train": 0.02, "finetune.qa_train": 0.02}
+    # a preset that sets a shared key in one block pins it there: paper's RetroMAE warm-up ratio
+    paper = _preset("paper", **{"trainer.warmup_ratio": 0.05})
+    assert (paper.retromae.train.warmup_ratio, paper.finetune.train.warmup_ratio) == (0.1, 0.05)
+    # UNSET (`dvc exp run -S '~key'`) removes the override: the block takes the group's value again
+    back = _preset("paper", **{"trainer.warmup_ratio": 0.05, "retromae.train.warmup_ratio": UNSET})
+    assert back.retromae.train.warmup_ratio == 0.05
+
+
+def test_a_bad_shared_value_is_named_once_at_the_group():
+    with pytest.raises(ParamsError) as e:
+        load_params(ROOT / "params.yaml", overrides={"trainer.weight_decay": -1})
+    assert str(e.value).splitlines()[1:] == ["  - trainer.weight_decay: Input should be greater than or equal to 0 (got -1)"]
+    with pytest.raises(ParamsError, match=r"trainer\.wieght_decay: unknown key; allowed keys here: adam_beta1"):
+        load_params(ROOT / "params.yaml", overrides={"trainer.wieght_decay": 0.1})
+    with pytest.raises(ParamsError, match=r"1 invalid param.*\n  - realm\.train\.adam_beta1: Input should be less than 1"):
+        load_params(ROOT / "params.yaml", overrides={"realm.train.adam_beta1": 1.5})  # an override's own error
+
+
+def test_a_missing_shared_key_says_where_it_goes(tmp_path):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    del raw["trainer"]["max_bad_steps"]
+    raw["realm"]["train"]["max_bad_steps"] = 3
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ParamsError) as e:
+        load_params(tmp_path / "params.yaml")
+    lines = str(e.value).splitlines()[1:]  # once, at the group: the blocks that do not set it are not listed again
+    assert len(lines) == 1 and lines[0].startswith("  - trainer.max_bad_steps: missing"), lines
+    del raw["trainer"]  # a params.yaml from before the group: one line naming what the group holds
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ParamsError, match=r"1 invalid param.*\n  - trainer: missing; the trainer knobs every training stage shares"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_section_digests_follow_the_resolved_trainer_blocks():
+    """What checkpoint folders are keyed by (`section_digest` of the sections a stage reads): a change to the
+    group reaches every training section, an override only its own, an override equal to the group none."""
+    base = load_params(ROOT / "params.yaml")
+    group = load_params(ROOT / "params.yaml", overrides={"trainer.weight_decay": 0.02})
+    own = load_params(ROOT / "params.yaml", overrides={"retromae.train.weight_decay": 0.02})
+    same = load_params(ROOT / "params.yaml", overrides={"retromae.train.weight_decay": 0.01})
+    for s in ("retromae", "realm", "finetune"):
+        assert group.section_digest(s) != base.section_digest(s), s
+        assert same.section_digest(s) == base.section_digest(s), s
+    assert own.section_digest("retromae") == group.section_digest("retromae") != base.section_digest("retromae")
+    assert own.section_digest("realm", "finetune") == base.section_digest("realm", "finetune")

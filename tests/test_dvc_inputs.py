@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.set_params import apply_param_overrides, preset_overrides, preset_switch, set_params_args
+from components.config import UNSET
+from flows.set_params import _leaves, apply_param_overrides, preset_overrides, preset_switch, set_params_args
 from tests.conftest import ROOT, dvc_stages, make_workspace
 
 ALWAYS = "source_digest"  # always_changed: it re-reads the source on every status / repro
@@ -113,6 +114,45 @@ def test_set_param_keeps_every_comment_and_changes_only_the_lines_it_sets(tmp_pa
 def test_set_params_args_are_what_dvc_exp_run_takes():
     assert set_params_args({"a.b": 1, "c": None, "d": "package:x/y", "e": [1, "z"], "f": True, "g": 3e-05}) == [
         "a.b=1", "c=null", "d='package:x/y'", "e=[1,'z']", "f=true", "g=3e-05"]
+    # a key the file does not hold is appended (DVC refuses `-S key=value` for it); UNSET removes one
+    assert set_params_args({"a.b": 1, "a.c": 2, "a.d": UNSET}, current={"a": {"b": 0, "d": 1}}) == ["a.b=1", "+a.c=2", "~a.d"]
+
+
+def test_every_stage_that_reads_a_trainer_block_declares_the_shared_group():
+    """`trainer` fills every trainer block, so a stage that declares one (or the section holding it)
+    must declare `trainer` too, or `dvc exp run -S trainer.KEY=...` would leave it cached."""
+    from components.config_file import TRAIN_BLOCKS
+
+    declared = _declared(dvc_stages())
+    reads = {s for s, keys in declared.items() if any(b == k or b.startswith(k + ".") for b in TRAIN_BLOCKS for k in keys)}
+    assert _groups(reads) == {"pretrain_retromae", "pretrain_mlm", "pretrain_realm", *_ALL_FT}
+    assert {s for s, keys in declared.items() if "trainer" in keys} == reads
+
+
+def test_a_per_stage_override_is_appended_to_its_block_and_unset_removes_it(tmp_path):
+    """Overriding a shared key in one block writes the line DVC's `-S +key=value` writes; UNSET (`-S ~key`)
+    takes it out again, leaving the file as it was. Comments stay either way."""
+    from components.config import load_params
+
+    f = tmp_path / "params.yaml"
+    f.write_text((ROOT / "params.yaml").read_text())
+    before = f.read_text()
+    assert apply_param_overrides({"realm.train.weight_decay": 0.0, "trainer.max_grad_norm": 0.5}, path=str(f))
+    after = f.read_text().splitlines()
+    added = [l for l in after if l not in before.splitlines()]
+    assert [l.split("#")[0].rstrip() for l in added] == ["  max_grad_norm: 0.5", "    weight_decay: 0.0"], added
+    assert after.index("    weight_decay: 0.0") > after.index("realm:")  # in REALM's block
+    p = load_params(f)
+    assert (p.realm.train.weight_decay, p.retromae.train.weight_decay, p.finetune.qa_train.max_grad_norm) == (0.0, 0.01, 0.5)
+    assert [l.partition("#")[2] for l in after if "#" in l] == [l.partition("#")[2] for l in before.splitlines() if "#" in l]
+    assert apply_param_overrides({"realm.train.weight_decay": UNSET, "trainer.max_grad_norm": 1.0}, path=str(f))
+    assert f.read_text() == before
+    assert not apply_param_overrides({"realm.train.weight_decay": UNSET}, path=str(f))  # nothing to remove
+    # the wrapper's --set takes DVC's spelling too
+    from flows.pipeline import _parse_set
+
+    assert _parse_set(["+realm.train.weight_decay=0.0", "++trainer.num_workers=1", "realm.top_k=3"]) == {
+        "realm.train.weight_decay": 0.0, "trainer.num_workers": 1, "realm.top_k": 3}
 
 
 def test_a_local_corpus_edit_dirties_prepare_corpus(tmp_path):
@@ -180,5 +220,12 @@ def test_presets_switch_from_the_committed_default_instead_of_stacking(tmp_path,
         want = load_params(ROOT / "params.yaml", presets=[ROOT / "params" / f"{preset}.yaml"],
                            overrides={"tracking.experiment": "mine"}).model_dump()
         assert dump() == want, preset
+        # paper pins RetroMAE's warm-up ratio in its block; the next switch removes that override, so the
+        # block follows `trainer` again instead of keeping a stale copy of the value
+        raw = yaml.safe_load(Path("params.yaml").read_text())
+        assert ("warmup_ratio" in raw["retromae"]["train"]) == (preset == "paper"), preset
     apply_param_overrides(preset_switch("default"), path="params.yaml")
     assert dump() == load_params(ROOT / "params.yaml", overrides={"tracking.experiment": "mine"}).model_dump()
+    # and holds the committed keys, no more (the values are the dump's above; DVC writes floats as 3e-05)
+    keys = lambda path: set(_leaves(yaml.safe_load(Path(path).read_text())))  # noqa: E731
+    assert keys("params.yaml") == keys(ROOT / "params.yaml")
