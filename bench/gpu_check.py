@@ -152,7 +152,8 @@ def _torchrun(nproc: int, args: list[str], timeout: int) -> dict:
     out = Path(tempfile.mkdtemp()) / "worker.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
            *args, "--worker-out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # the repo first, and whatever PYTHONPATH already held (packages installed beside the image's) after it
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         return {"ok": False, "rc": p.returncode, "tail": (p.stdout + p.stderr)[-2000:]}
