@@ -206,6 +206,9 @@ def test_matrix_stages_run_through_dvc_each_as_its_own_mlflow_run(tmp_path, shar
     # evaluate through DVC writes the curve DVC draws: `dvc plots show` loads every plot evaluate wrote
     (ws / "models/realm-stale").mkdir(parents=True)
     (ws / "models/realm-stale/README").write_text("stand-in\n")
+    for stage in ("pretrain_retromae", "pretrain_mlm", "pretrain_realm@refreshed", "pretrain_realm@stale"):
+        (ws / paths.loss_curve(stage)).parent.mkdir(parents=True, exist_ok=True)  # stand-ins: the pre-training stages' curves
+        (ws / paths.loss_curve(stage)).write_text("step,loss\n1,2.0\n")
     assert _ran(_repro(ws, env, "--single-item", "evaluate")) == {"evaluate"}
     curve = (ws / "plots/label_efficiency.csv").read_text().splitlines()
     assert curve[0].startswith("dataset,start,size,questions") and [line.split(",")[1:3] for line in curve[1:]] == [["init", "all"]]
