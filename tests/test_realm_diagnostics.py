@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import components.eval.realm_diagnostics as D
+import components.eval.realm_reading as R
 from components.data.special_tokens import MISSING_ROW, NULL_ROW
 from tests.conftest import ROOT, TINY, tiny_params
 from tests.test_realm_stage import world  # noqa: F401  (the module's tiny world: data/ + models/retromae)
@@ -99,7 +100,7 @@ def test_utility_is_the_gradient_of_log_p_y_given_x_wrt_the_scores(marginalizati
         log_pyx = torch.logsumexp(log_py + log_pz[mask_batch], 1)
         obj = torch.zeros(B).index_add(0, mask_batch, log_pyx) / torch.bincount(mask_batch).float()
     else:
-        obj = torch.logsumexp(D.per_query(log_py, mask_batch, B) + log_pz, 1)
+        obj = torch.logsumexp(R.per_query(log_py, mask_batch, B) + log_pz, 1)
     (grad,) = torch.autograd.grad(obj.sum(), scores)
     r = D.utility(log_py, log_pz.detach(), mask_batch, marginalization)
     assert r.shape == (B, K)
@@ -111,7 +112,7 @@ def test_reader_path_gives_realms_loss(ws):
     qs = D.sample_queries(ws.blocks, ws.params.realm, ws.special, 4, seed=1)
     batch = ws.collator.batch(qs, ws.index.search, ws.model.retriever)
     with torch.no_grad():
-        log_py, correct, mb = D.reader_log_probs(ws.model, batch)
+        log_py, correct, mb = R.reader_log_probs(ws.model.knowledge_augmented_encoder, batch)
         log_pz = ws.model.retrieval_log_probs(batch)
         loss = ws.model(batch)["loss"]
     assert log_py.shape == correct.shape == (mb.numel(), batch["z_input_ids"].shape[1])
@@ -128,8 +129,8 @@ def test_fixed_documents_own_answer_and_other_blocks(ws):
     ans = answer_blocks(qs, ws.blocks)
     titles = list(ws.blocks["title"])
     article = [[r for r, t in enumerate(titles) if t == titles[q.source_row]] for q in qs]
-    rows = D.fixed_documents(qs, ans, [set()] * len(qs), len(ws.blocks), np.random.default_rng(0), article)
-    assert rows.shape == (len(qs), len(D.SLOTS)) and (rows[:, 0] == NULL_ROW).all()
+    rows = R.fixed_documents(qs, ans, [set()] * len(qs), len(ws.blocks), np.random.default_rng(0), article)
+    assert rows.shape == (len(qs), len(R.SLOTS)) and (rows[:, 0] == NULL_ROW).all()
     assert any(ans) and not all(ans)  # the tiny world has both kinds
     for q, a, same, (_, own, answer, other, in_article) in zip(qs, ans, article, rows):
         assert own == q.source_row

@@ -40,20 +40,20 @@ from components import paths
 from components.config import Params, load_params
 from components.data.finetune_data import load_pairs
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
-from components.data.realm_batch import RealmCollator, collate, collate_queries, passage_batch, passage_columns
+from components.data.realm_batch import RealmCollator, collate_queries, passage_batch, passage_columns
 from components.data.realm_query import RealmQuery, fixed_queries
 from components.data.salient_spans import span_tagger_for
-from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
+from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.eval.realm_probes import answer_blocks, same_entity_gold
+from components.eval.realm_reading import FixedReads, fixed_documents, mean_sd, per_query, read_fixed_documents, reader_log_probs
 from components.index.faiss_index import BlockIndex
 from components.models.ict import ICTModel
-from components.models.realm import REALM, knowledge_augmented_inputs
+from components.models.realm import REALM
 from components.models.retriever import Retriever
 from components.progress import ProgressClock, format_duration, progress_line
 
 log = logging.getLogger(__name__)
 
-SLOTS = ("null", "own_block", "answer_block", "other_block", "article_block")  # the reader's fixed documents, in slot order
 
 
 @dataclass
@@ -110,57 +110,6 @@ def sample_queries(blocks, p, special: SpecialTokens, n: int, seed: int) -> list
         if len(out) >= n:
             break
     return out[:n]
-
-
-# ----------------------------------------------------------------------------------------------
-# the reader
-# ----------------------------------------------------------------------------------------------
-def reader_log_probs(model: REALM, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log p(y_j | x, z_k) (M, K) at each masked token for each document, whether argmax p(.|x,z_k)
-    is y_j (M, K), and each token's query (M,): REALM.forward's reader path, kept per document."""
-    labels = batch["x_labels"]
-    mask_batch, mask_pos = (labels != IGNORE_INDEX).nonzero(as_tuple=True)  # (M,), (M,)
-    targets = labels[mask_batch, mask_pos]  # (M,)
-    reader = model.knowledge_augmented_encoder
-    ids, mask, types = knowledge_augmented_inputs(batch["x_input_ids"], batch["x_attention_mask"], batch["z_input_ids"],
-                                                  batch["z_attention_mask"], reader.pad_token_id)  # (B, K, L)
-    log_py_all = reader.masked_log_probs(ids, mask, types, mask_batch, mask_pos)  # (M, K, V)
-    M, K = log_py_all.shape[:2]
-    log_py = log_py_all.gather(-1, targets.view(M, 1, 1).expand(M, K, 1)).squeeze(-1)  # (M, K)
-    return log_py, log_py_all.argmax(-1) == targets[:, None], mask_batch
-
-
-def per_query(values: torch.Tensor, mask_batch: torch.Tensor, B: int) -> torch.Tensor:
-    """Sum over each query's masked tokens: (M, K) -> (B, K)."""
-    return values.new_zeros(B, values.shape[1]).index_add(0, mask_batch, values)
-
-
-def fixed_documents(queries: list[RealmQuery], answers: list[set[int]], about: list[set[int]], n_blocks: int,
-                    rng: np.random.Generator, article_rows: list[list[int]] | None = None) -> np.ndarray:
-    """Candidate rows (B, 5) in `SLOTS` order: the null document, x's own block, an answer block (one
-    about x's subject when `about` has one; MISSING_ROW when none holds the span), a random block
-    without the span (MISSING_ROW if the draws find none), and a block of `article_rows[b]` (the rows
-    of x's article) other than x's own without the span (MISSING_ROW when there is none)."""
-    out = np.full((len(queries), len(SLOTS)), MISSING_ROW, dtype=np.int64)
-    out[:, 0] = NULL_ROW
-    for b, q in enumerate(queries):
-        out[b, 1] = q.source_row
-        pool = sorted(about[b] or answers[b])
-        if pool:
-            out[b, 2] = pool[rng.integers(len(pool))]
-        for r in rng.integers(n_blocks, size=32).tolist():
-            if r != q.source_row and r not in answers[b]:
-                out[b, 3] = r
-                break
-        same = [r for r in (article_rows[b] if article_rows else []) if r != q.source_row and r not in answers[b]]
-        if same:
-            out[b, 4] = same[rng.integers(len(same))]
-    return out
-
-
-def _mean_sd(xs) -> dict[str, float | int | None]:
-    xs = np.asarray(list(xs), dtype=np.float64)
-    return {"mean": float(xs.mean()) if xs.size else None, "sd": float(xs.std()) if xs.size else None, "n": int(xs.size)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,8 +265,8 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
         by_article.setdefault(t, []).append(r)
     to = lambda b: {k: v.to(dev) for k, v in b.items()}  # noqa: E731
 
-    acc = {s: [] for s in SLOTS}
-    gap, gap_tok, gap_article, cand_gap, ent, p_null, any_answer, log_k = ([] for _ in range(8))
+    reads = FixedReads()
+    cand_gap, ent, p_null, any_answer, log_k = ([] for _ in range(5))
     r_groups: dict[str, list[float]] = {}
     realm_batches = []  # (the token ids are small; the gradients are taken one batch at a time below)
     batches = [queries[i:i + batch_size] for i in range(0, len(queries) - batch_size + 1, batch_size)]  # full batches only
@@ -326,25 +275,13 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
         ans, ab = answers[bi * batch_size:(bi + 1) * batch_size], about[bi * batch_size:(bi + 1) * batch_size]
         B = len(qs)
         with torch.no_grad():
-            # the reader with fixed documents
             mates = [by_article[article[q.source_row]] for q in qs] if article is not None else None
-            fixed = collate(qs, fixed_documents(qs, ans, ab, len(ws.blocks), rng, mates), ws.collator.lookup, p, ws.special)
-            log_py, correct, mb = reader_log_probs(model, to(fixed))
-            have = fixed["candidate_mask"].to(dev)[mb]  # (M, 5): the slot has a document
-            for k, s in enumerate(SLOTS):
-                acc[s] += correct[have[:, k], k].float().tolist()
-            seq = per_query(log_py, mb, B).cpu()  # (B, 5) log p(y|x,z) of the span
-            n_tok = torch.bincount(mb, minlength=B).cpu()
-            for b in range(B):
-                if fixed["candidate_mask"][b, 2] and fixed["candidate_mask"][b, 3] and n_tok[b]:
-                    gap.append(float(seq[b, 2] - seq[b, 3]))
-                    gap_tok.append(gap[-1] / int(n_tok[b]))
-                if fixed["candidate_mask"][b, 2] and fixed["candidate_mask"][b, 4] and n_tok[b]:
-                    gap_article.append(float(seq[b, 2] - seq[b, 4]))
+            fixed = fixed_documents(qs, ans, ab, len(ws.blocks), rng, mates)
+            read_fixed_documents(model.knowledge_augmented_encoder, qs, fixed, ws.collator.lookup, p, ws.special, dev, reads)
             # the top k of the index, as training sees them
             batch = to(ws.collator.batch(qs, ws.index.search, model.retriever))
             log_pz = model.retrieval_log_probs(batch)  # (B, K)
-            log_py, _, mb = reader_log_probs(model, batch)
+            log_py, _, mb = reader_log_probs(model.knowledge_augmented_encoder, batch)
             r = utility(log_py, log_pz, mb, model.marginalization).cpu()
             nll.append(float(-torch.logsumexp(log_py + log_pz[mb], 1).mean()))  # mean -log p(y_j|x) (the per_token loss)
             seq = per_query(log_py, mb, B).cpu()
@@ -376,7 +313,7 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
               "ict": gradient_series(contrastive, ict_batches(ws, n, batch_size, seed), "ict")}
     gradient: dict[str, Any] = {"params": sum(t.numel() for t in query_tower_params(model.retriever))}
     for name, (cos, norms, total) in series.items():
-        gradient.update({f"{name}_batches": len(norms), f"{name}_batch_cosine": _mean_sd(cos), f"{name}_grad_norm": _mean_sd(norms)})
+        gradient.update({f"{name}_batches": len(norms), f"{name}_batch_cosine": mean_sd(cos), f"{name}_grad_norm": mean_sd(norms)})
     sup = series["supervised"][2]
     for name in ("realm", "ict"):
         total = series[name][2]
@@ -384,17 +321,12 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
     return {
         "workspace": str(ws.root), "n_queries": len(batches) * batch_size, "batch_size": batch_size, "seed": seed,
         "top_k": p.top_k, "marginalization": model.marginalization, "index_version": ws.index.version,
-        "reader": {
-            **{f"acc_{s}": _mean_sd(acc[s])["mean"] for s in SLOTS[:3]},
-            **{f"tokens_{s}": len(acc[s]) for s in SLOTS[:3]},
-            "queries_with_answer_block": sum(bool(a) for a in answers[:len(batches) * batch_size]),
-            "gap_nats": _mean_sd(gap), "gap_nats_per_token": _mean_sd(gap_tok), "gap_nats_same_article": _mean_sd(gap_article),
-        },
+        "reader": {**reads.report(), "queries_with_answer_block": sum(bool(a) for a in answers[:len(batches) * batch_size])},
         "retrieval": {
-            "entropy": _mean_sd(ent), "log_k": _mean_sd(log_k)["mean"], "p_null": _mean_sd(p_null),
-            "share_with_answer_candidate": _mean_sd(any_answer)["mean"],
-            "candidate_gap_nats": _mean_sd(cand_gap),
-            "utility": {k: _mean_sd(v) for k, v in sorted(r_groups.items())},
+            "entropy": mean_sd(ent), "log_k": mean_sd(log_k)["mean"], "p_null": mean_sd(p_null),
+            "share_with_answer_candidate": mean_sd(any_answer)["mean"],
+            "candidate_gap_nats": mean_sd(cand_gap),
+            "utility": {k: mean_sd(v) for k, v in sorted(r_groups.items())},
         },
         "gradient": gradient,
     }

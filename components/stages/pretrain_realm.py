@@ -92,7 +92,7 @@ def warmup_root(params: Params, corpus_dir: Path = paths.CORPUS, retromae_dir: P
     return checkpoint_dir(f"{STAGE}_warmup", params, ["realm", "retromae"], corpus_dir, inputs=[retromae_dir])
 
 
-def _split_rows(blocks, p, special: SpecialTokens, seed: int) -> tuple[list[int], list[int], list[RealmQuery], dict]:
+def split_rows(blocks, p, special: SpecialTokens, seed: int) -> tuple[list[int], list[int], list[RealmQuery], dict]:
     """The blocks with a salient span, split into training rows and `realm.heldout_queries` held-out
     rows (at most a quarter); the held-out rows' fixed masked queries; the inputs of the fixed
     training queries that measure staleness."""
@@ -183,7 +183,7 @@ def train_realm(
                       "realm.span_tagger": "regex (ner_missing fallback)" if tagger.fallback else tagger.kind})
 
     seed = params.compute.seed
-    train_rows, held, held_queries, stale_x = _split_rows(blocks, p, special, seed)
+    train_rows, held, held_queries, stale_x = split_rows(blocks, p, special, seed)
     probes = probe_sets(held_queries, blocks, block_ids, block_doc, corpus_dir, tokenizer, p, special)
     main_probes, held_probes, held_entity = probes[""], probes["heldout_"], probes["heldout_entity_"]
     probe = partial(run_probes, probes=probes, block_ids=block_ids, block_doc=block_doc, k=p.staleness_k)
