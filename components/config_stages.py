@@ -199,6 +199,12 @@ class RealmParams(Section):
         ge=0, le=1, description="probability that a warm-up example's answer is replaced, in x's labels and in "
         "z, by another salient span: a fact no training block states, so only reading z predicts it (a tiny reader "
         "otherwise memorises the training blocks and reads nothing on unseen ones)")
+    reader_warmup_doc_len: int | None = Field(
+        ge=8, description="z cut to this many tokens around the answer's first occurrence during the warm-up: "
+        "cheaper steps, and the copy is easier to find; null = the whole block (REALM reads whole blocks)")
+    reader_warmup_mask_ratio: float = Field(
+        ge=0, le=0.5, description="share of x's other tokens also masked in a warm-up example (targets the "
+        "reader can copy when z holds x's context: own_block). More copy targets per step; 0 = the salient span only")
     reader_warmup_lr: float = Field(gt=0, le=1.0)
     reader_warmup_batch_size: int = Field(ge=1)
     heldout_queries: int = Field(ge=0, description="blocks kept out of training (at most 1/4 of the eligible): "

@@ -32,7 +32,7 @@ from components.models.realm import REALM
 from components.models.retriever import Retriever
 from components.stages.pretrain_realm import checkpoint_root
 from components.tracking import StageRun
-from components.training.warmups import ReaderWarmupCollator, ReaderWarmupModel, SalientSpanIndex
+from components.training.warmups import ReaderWarmupCollator, ReaderWarmupModel, SalientSpanIndex, cut_around
 from tests.conftest import ROOT, TINY, build_data_and_encoders, tiny_params
 
 
@@ -219,6 +219,39 @@ def test_reader_warmup_swap_replaces_the_answer_in_labels_and_document(world):
         n = len(hidden)
         assert hidden and len(z) == len(orig)
         assert any(tuple(z[s:s + n]) == hidden and tuple(orig[s:s + n]) != hidden for s in range(len(z) - n + 1))
+
+
+def test_cut_around_keeps_the_answer_centred_and_the_length():
+    z = list(range(100))
+    assert cut_around(z, (50, 51), 10) == list(range(46, 56))  # centred on the answer
+    assert cut_around(z, (1,), 10) == list(range(10))  # clipped at the start ...
+    assert cut_around(z, (99,), 10) == list(range(90, 100))  # ... and at the end
+    assert cut_around(z, (7, 9), 10) == list(range(10))  # not in z: its start
+    assert cut_around(z[:8], (3,), 10) == z[:8]  # shorter than n: whole
+
+
+def test_reader_warmup_doc_len_and_mask_ratio(world):
+    blocks, sp = _world_blocks(world)
+    p = tiny_params(**{"realm.reader_warmup_doc": "own_block", "realm.reader_warmup_doc_len": 12,
+                       "realm.reader_warmup_mask_ratio": 0.5}).realm
+    rows = eligible_rows(blocks, p, sp.mask, 0)[:12]
+    col = ReaderWarmupCollator(blocks, p, sp)
+    b = col(rows, generator=torch.Generator().manual_seed(2))
+    plain = ReaderWarmupCollator(blocks, p.model_copy(update={"reader_warmup_doc_len": None, "reader_warmup_mask_ratio": 0.0}), sp)
+    ref = plain(rows, generator=torch.Generator().manual_seed(2))  # the same queries, before the two knobs
+    extra = 0
+    for i in range(len(rows)):
+        y, y0 = b["x_labels"][i], ref["x_labels"][i]
+        span = tuple(y0[y0 != IGNORE_INDEX].tolist())
+        z = _z_tokens(b, i)
+        assert len(z) <= 12 and any(tuple(z[s:s + len(span)]) == span for s in range(len(z)))  # the answer stays in z
+        keep = y0 != IGNORE_INDEX
+        assert torch.equal(y[keep], y0[keep])  # the salient span is still a target
+        more = (y != IGNORE_INDEX) & ~keep  # the extra targets: x's own tokens, now masked
+        assert (b["x_input_ids"][i][more] == sp.mask).all() and torch.equal(y[more], ref["x_input_ids"][i][more])
+        assert not set(y[more].tolist()) & set(sp.special)
+        extra += int(more.sum())
+    assert extra > 0
 
 
 def test_fixed_queries_draws_give_one_query_per_distinct_span(world):

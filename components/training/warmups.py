@@ -101,6 +101,18 @@ class SalientSpanIndex:
         return (self.rows_of.get(masked_answer(q), set()) & about) - {q.source_row}
 
 
+def cut_around(z: list[int], answer: tuple[int, ...], n: int) -> list[int]:
+    """The n tokens of z centred on the first occurrence of `answer` (z[:n] when it does not occur)."""
+    if len(z) <= n:
+        return z
+    k = len(answer)
+    at = next((i for i in range(len(z) - k + 1) if tuple(z[i:i + k]) == answer), None) if k else None
+    if at is None:
+        return z[:n]
+    start = min(max(0, at + k // 2 - n // 2), len(z) - n)
+    return z[start:start + n]
+
+
 class ReaderWarmupCollator:
     """rows -> one REALM query per row with one document: `x_*` (B, Lx) and `z_*` (B, 1, Lz).
 
@@ -158,8 +170,19 @@ class ReaderWarmupCollator:
             if q is None:
                 continue
             z = [int(t) for t in self.lookup[self.document(q, rng)]["input_ids"]]
-            out.append(self.swap_answer(q, z, rng) if rng.random() < self.p.reader_warmup_swap_answer else (q, z))
+            q, z = self.swap_answer(q, z, rng) if rng.random() < self.p.reader_warmup_swap_answer else (q, z)
+            if self.p.reader_warmup_doc_len:
+                z = cut_around(z, masked_answer(q), self.p.reader_warmup_doc_len)
+            out.append((q, z))
         return out
+
+    def mask_more(self, x: torch.Tensor, labels: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """`reader_warmup_mask_ratio` of x's other (non-special, unmasked) tokens masked too, as targets."""
+        ratio = self.p.reader_warmup_mask_ratio
+        special = torch.tensor(sorted({*self.special.special, self.special.pad, self.special.cls, self.special.sep, self.special.mask}))
+        free = (labels == IGNORE_INDEX) & ~torch.isin(x, special)  # (B, Lx)
+        pick = free & torch.from_numpy(rng.random(tuple(x.shape)) < ratio)
+        return x.masked_fill(pick, self.special.mask), torch.where(pick, x, labels)
 
     def __call__(self, rows: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         rng = np.random.default_rng(generator.initial_seed() if generator is not None else 0)
@@ -168,7 +191,10 @@ class ReaderWarmupCollator:
         # only the reader reads here: no document-tower input (doc_input body)
         batch = collate([q for q, _ in examples], slots, [z for _, z in examples], self.p.model_copy(update={"doc_input": "body"}),
                         self.special)
-        return {**{k: batch[k] for k in ("x_input_ids", "x_attention_mask", "x_labels")},
+        x, labels = batch["x_input_ids"], batch["x_labels"]
+        if self.p.reader_warmup_mask_ratio:
+            x, labels = self.mask_more(x, labels, rng)
+        return {"x_input_ids": x, "x_attention_mask": batch["x_attention_mask"], "x_labels": labels,
                 "z_input_ids": batch["z_input_ids"][:, 1:], "z_attention_mask": batch["z_attention_mask"][:, 1:]}  # drop the null slot
 
 
