@@ -6,7 +6,8 @@
 
 Every knob of the pipeline is typed in these modules; its value lives in `params.yaml` only.
 `load_params` needs every key spelled out there, and unknown keys, wrong types and out-of-range
-values raise `ParamsError`, whose message names the dotted key, what was given and what is allowed.
+values raise `ParamsError`, whose message names the dotted key, what was given and what is allowed;
+a key params.yaml no longer has (`config_file.REMOVED_KEYS`) says what replaces it.
 
 A section built in code (`RealmParams(top_k=4)`, in tests and tools) takes the keys it is not given
 from the repo's `params.yaml` (the default), so every value is written in one place.
@@ -37,7 +38,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ValidationError, model_validator
 
 from components.config_file import (PARAMS_FILE, TRAIN_BLOCKS, TRAINER, ParamsError, inherit_trainer, inherited_keys,
-                                    read_yaml)
+                                    read_yaml, removed_key_message)
 from components.config_shared import ComputeParams, Section, TrackingParams, TrainerParams, WarmStartParams
 from components.config_stages import (DataParams, EvaluateParams, FinetuneParams, MLMParams, RealmParams,
                                       RetroMAEParams, TokenizeParams)
@@ -135,7 +136,7 @@ def _format_errors(err: ValidationError, source: str, inherited: dict[str, str] 
         if e["type"] == "extra_forbidden":
             parent = _model_at(e["loc"][:-1])
             allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
-            msg = f"unknown key; allowed keys here: {allowed}"
+            msg = removed_key_message(key) or f"unknown key; allowed keys here: {allowed}"
         elif e["type"] == "missing" and key == TRAINER:
             msg = (f"missing; the trainer knobs every training stage shares ({', '.join(TrainerParams.model_fields)}) "
                    f"are written once in `{TRAINER}`, a stage's train block overriding any (the repo's {PARAMS_FILE} has it)")

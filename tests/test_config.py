@@ -1,13 +1,20 @@
 """params.yaml loads into typed config; bad values name the key and the allowed values."""
 
+import json
+
 import pytest
 import yaml
 from pydantic import BaseModel
 
 from components.config import Params, load_params
-from components.config_file import ParamsError
+from components.config_file import REMOVED_KEYS, ParamsError
 from components.config_stages import RealmParams
 from tests.conftest import ROOT
+
+PRESETS = ("default", "tiny", "small", "paper")
+# Every preset as it resolves, key by key: a change to any value shows here as the keys it moved. A deliberate
+# change rewrites the file: .venv/bin/python -m tests.test_config
+RESOLVED = ROOT / "tests" / "data" / "presets_resolved.json"
 
 
 def test_real_params_yaml_is_valid_and_complete():
@@ -24,7 +31,15 @@ def test_real_params_yaml_is_valid_and_complete():
 
 
 def test_paper_preset_applies_papers_settings():
+    from components.models.encoder import warm_start_path
+    from components.stages.evaluate import title_line
+
     p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/paper.yaml"])
+    # BERT-base, encoder and tokenizer, through the one warm-start knob; its MLM head is pre-trained: no head phase
+    assert (p.warm_start.path, p.warm_start.head_warmup_steps, p.warm_start.head_lr) == ("bert-base-uncased", 0, None)
+    assert warm_start_path(p) == "bert-base-uncased"  # a hub name, left to transformers (online, or its cache)
+    # a warm start is no smoke test: `auto` prints no notice, so the preset needs no banner of its own
+    assert p.evaluate.banner == "auto" and title_line(p) == "evaluate.split: test"
     # 286 block tokens + [CLS]/[SEP] = REALM's 288-token candidate
     assert p.tokenize.pretrain_block_len == 510 and p.tokenize.retrieval_block_len == 286
     assert p.realm.query_len == 96 and p.realm.block_len == 288 and p.realm.refresh_every == 500
@@ -236,3 +251,72 @@ def test_section_digests_follow_the_resolved_trainer_blocks():
         assert same.section_digest(s) == base.section_digest(s), s
     assert own.section_digest("retromae") == group.section_digest("retromae") != base.section_digest("retromae")
     assert own.section_digest("realm", "finetune") == base.section_digest("realm", "finetune")
+
+
+# ----------------------------------------------------------------------------------------------
+# removed keys (issue 29: warm_start.path is the one pre-trained start) and the presets' values
+# ----------------------------------------------------------------------------------------------
+def test_an_old_params_yaml_names_each_removed_key_and_warm_start_path(tmp_path):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["tokenize"] |= {"tokenizer": "train", "pretrained_path": None}  # the keys as the default spelled them
+    raw["retromae"]["encoder"] |= {"init": "config", "pretrained_path": None}
+    raw["finetune"]["retrieval_pretrained_path"] = None
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ParamsError) as e:
+        load_params(tmp_path / "params.yaml")
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{tmp_path / 'params.yaml'}: 5 invalid param(s):"
+    assert sorted(line.split(":")[0].strip(" -") for line in lines[1:]) == sorted(REMOVED_KEYS)
+    for line in lines[1:]:
+        assert ": removed; use warm_start.path instead and delete this key (" in line, line
+
+
+@pytest.mark.parametrize("key, value", [("tokenize.tokenizer", "pretrained"), ("tokenize.pretrained_path", "bert-base-uncased"),
+                                        ("retromae.encoder.init", "pretrained"),
+                                        ("retromae.encoder.pretrained_path", "bert-base-uncased"),
+                                        ("finetune.retrieval_pretrained_path", "bert-base-uncased")])
+def test_a_removed_key_set_by_an_override_says_to_use_warm_start_path(key, value):
+    with pytest.raises(ParamsError, match=rf"1 invalid param.*\n  - {key}: removed; use warm_start\.path instead"):
+        load_params(ROOT / "params.yaml", overrides={key: value})
+
+
+def test_removed_keys_are_out_of_the_schema_and_every_file():
+    for key in REMOVED_KEYS:  # a key put back into the schema would never reach its "removed" message
+        *sections, leaf = key.split(".")
+        model = Params
+        for name in sections:
+            model = model.model_fields[name].annotation
+        assert leaf not in model.model_fields, key
+    for path in [ROOT / "params.yaml", *sorted((ROOT / "params").glob("*.yaml"))]:
+        flat = _flat(yaml.safe_load(path.read_text()) or {})
+        assert not set(flat) & set(REMOVED_KEYS), path
+
+
+def _flat(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _resolved() -> dict:
+    return {name: _flat(_preset(name).model_dump(mode="json")) for name in PRESETS}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_resolves_to_its_frozen_values(preset):
+    """Frozen when warm_start.path became the one pre-trained start: default, tiny and small resolved
+    as before but for the removed keys; paper's BERT-base moved from those keys to warm_start.path."""
+    want = json.loads(RESOLVED.read_text())[preset]
+    got = _flat(_preset(preset).model_dump(mode="json"))
+    pairs = {k: (want.get(k, "<absent>"), got.get(k, "<absent>")) for k in sorted(set(got) | set(want))}
+    moved = {k: pair for k, pair in pairs.items() if pair[0] != pair[1]}
+    assert moved == {}, f"{preset}: (frozen, resolved) differ; after a deliberate change: .venv/bin/python -m tests.test_config"
+
+
+if __name__ == "__main__":  # rewrite the frozen values after a deliberate change
+    RESOLVED.parent.mkdir(exist_ok=True)
+    blocks = [f' "{name}": {{\n' + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(flat.items())) + "\n }"
+              for name, flat in _resolved().items()]  # one key a line: a changed value is a one-line diff
+    RESOLVED.write_text("{\n" + ",\n".join(blocks) + "\n}\n")
+    print(f"wrote {RESOLVED}")

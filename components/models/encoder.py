@@ -1,7 +1,8 @@
 """One way to build, load, pool and save the BERT-like encoders every stage and eval share.
 
-    from components.models.encoder import build_encoder, load_encoder, cls_pool, save_encoder
-    mlm = build_encoder(params.retromae.encoder, len(tok), tok.pad_token_id)  # *ForMaskedLM: random or from a folder
+    from components.models.encoder import build_encoder, load_encoder, cls_pool, save_encoder, warm_start_path
+    warm = warm_start_path(params)                      # warm_start.path resolved; None: build from config
+    mlm = build_encoder(params.retromae.encoder, len(tok), tok.pad_token_id, pretrained=warm)  # *ForMaskedLM: random, or the warm start's
     enc = load_encoder("models/retromae/encoder")      # bare encoder (AutoModel), no pooler
     vec = cls_pool(enc, input_ids, attention_mask)      # (B, H) last-layer [CLS], the only pooling
     save_encoder(model, tok, "models/retromae/encoder") # atomic HF folder (+ sentence-transformers files)
@@ -195,16 +196,12 @@ def build_encoder(
     cls_token_id: int | None = None, sep_token_id: int | None = None, mask_token_id: int | None = None,
     pretrained: str | None = None,
 ):
-    """A BertForMaskedLM from `EncoderParams`: random init (`init: config`) or a folder (`init:
-    pretrained`, through `load_mlm_encoder`; the folder's architecture wins). `pretrained` (a warm
-    start, `warm_start_path(params)`) takes precedence over both; only `enc.dropout` still applies."""
+    """A BertForMaskedLM: random init from `EncoderParams`, or, with `pretrained` (the warm start,
+    `warm_start_path(params)`), that folder through `load_mlm_encoder`, whose architecture wins over
+    `enc`'s sizes; only `enc.dropout` still applies."""
     from transformers import AutoModelForMaskedLM, BertConfig
 
-    if pretrained is not None and enc.init == "pretrained" and enc.pretrained_path != pretrained:
-        logger.warning("warm_start.path (%s) takes precedence over the encoder's pretrained_path (%s)",
-                       pretrained, enc.pretrained_path)
-    path = pretrained if pretrained is not None else (enc.pretrained_path if enc.init == "pretrained" else None)
-    if path is None:
+    if pretrained is None:
         config = BertConfig(
             vocab_size=vocab_size, hidden_size=enc.hidden_size, num_hidden_layers=enc.num_layers,
             num_attention_heads=enc.num_heads, intermediate_size=enc.intermediate_size,
@@ -214,12 +211,12 @@ def build_encoder(
             cls_token_id=cls_token_id, sep_token_id=sep_token_id, mask_token_id=mask_token_id,
         )
         return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa")
-    model = load_mlm_encoder(path, vocab_size, dropout=enc.dropout)
+    model = load_mlm_encoder(pretrained, vocab_size, dropout=enc.dropout)
     if model.config.pad_token_id != pad_token_id:
         logger.warning("%s: config pad_token_id=%s but the tokenizer's is %s (is this the model's tokenizer?)",
-                       path, model.config.pad_token_id, pad_token_id)
+                       pretrained, model.config.pad_token_id, pad_token_id)
     logger.info("loaded %s: %d layers, hidden %d, dropout %s (the folder's architecture; encoder size params are ignored)",
-                path, model.config.num_hidden_layers, model.config.hidden_size, enc.dropout)
+                pretrained, model.config.num_hidden_layers, model.config.hidden_size, enc.dropout)
     return model
 
 

@@ -37,7 +37,6 @@ import numpy as np
 from components.config import Params
 from components.data.finetune_data import BiEncoderCollator
 from components.models.biencoder import BiEncoder, make_encode_fn, weights_digest
-from components.models.encoder import resolve_pretrained
 from components.paths import INIT_ENCODER, MLM_ENCODER, REALM_OUT, REALM_SYSTEM_OUT, RETROMAE_ENCODER
 from components.retrieval.negatives import mine_dense_negatives
 from components.retrieval.search import bm25_qa_blocks, frozen_search_fn, gold_qa_blocks, load_block_index, tower_search_fn
@@ -51,17 +50,16 @@ START_FOLDERS = {"init": INIT_ENCODER, "mlm": MLM_ENCODER, "retromae": RETROMAE_
                  "realm": REALM_OUT / "retriever" / "query_encoder"}
 # the params sections that decide a start's weights: a change there starts a fresh checkpoint folder
 START_SECTIONS = {"init": ["retromae"], "mlm": ["retromae", "mlm"], "retromae": ["retromae"],
-                  "realm": ["retromae", "realm"], "pretrained": []}
+                  "realm": ["retromae", "realm"]}
 READER_SECTIONS = ["finetune", "warm_start", "realm"]  # the params a reader's checkpoint folder is keyed by (with its start: reader_inputs)
 
 
 # ----------------------------------------------------------------------------------------------
 # dense retrieval (DPR)
 # ----------------------------------------------------------------------------------------------
-def retrieval_start_folder(params: Params, name: str) -> Path | str:
-    """The encoder folder (or hub name) the `ft:<name>` run starts from."""
-    if name == "pretrained":
-        return resolve_pretrained(params.finetune.retrieval_pretrained_path, key="finetune.retrieval_pretrained_path")
+def retrieval_start_folder(params: Params, name: str) -> Path:
+    """The encoder folder the `ft:<name>` run starts from: a stage's output (a pre-trained model enters
+    through warm_start.path, as `init`)."""
     return START_FOLDERS[name]
 
 
