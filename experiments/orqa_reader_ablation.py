@@ -45,23 +45,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.io import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
+from experiments import variants  # noqa: E402
 
 OUT = ROOT / "experiments" / "results" / "orqa_readers.json"
 SPLIT = "dev"  # settings are chosen on dev: this script never reads the test split
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
-    """'name:key=value,key=value' -> (name, {key: value}); values are YAML scalars."""
-    name, _, rest = spec.partition(":")
-    if not name:
-        raise SystemExit(f"--variant {spec!r}: expected NAME:key=value,... (NAME: alone for no override)")
-    overrides = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.startswith("finetune."):
-            raise SystemExit(f"--variant {spec!r}: {item!r} is not finetune.<key>=<value> (only the readers are retrained)")
-        overrides[key] = yaml.safe_load(value)
-    return name, overrides
+    """'name:finetune.key=value,...' -> (name, {key: value}): only the readers are retrained."""
+    try:
+        return variants.parse_variant(spec, prefix="finetune.")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def run_variant(name: str, overrides: dict, systems: list[str], scratch: Path) -> dict:

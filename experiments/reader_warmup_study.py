@@ -9,9 +9,9 @@ block, a random block without the span, a block of x's article without it, the n
 above `acc_null`, and log p(y|x,z_answer) - log p(y|x,z_other) several nats.
 
     .venv/bin/python -m experiments.reader_warmup_study --workspace WS \\
-        --variant base= \\
-        --variant own300=realm.reader_warmup_doc=own_block,realm.reader_warmup_steps=300,realm.reader_warmup_lr=3e-4 \\
-        --out experiments/results/reader_warmup.json
+        --variant base: \\
+        --variant own300:realm.reader_warmup_doc=own_block,realm.reader_warmup_steps=300,realm.reader_warmup_lr=3e-4 \\
+        --out experiments/results/reader_warmup.jsonl
 
 WS must have run `pretrain_retromae` (data/tokens, models/retromae/encoder). Results append to `--out`
 as JSON lines (one per variant), written atomically; a variant already in the file is skipped.
@@ -30,22 +30,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-
-
-def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """`name=key=value,key=value` -> (name, {key: yaml value}); `name=` has no overrides."""
-    import yaml
-
-    name, _, rest = text.partition("=")
-    if not name:
-        raise ValueError(f"--variant {text!r}: expected NAME=KEY=VALUE,KEY=VALUE (or NAME= for the workspace's params)")
-    overrides = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"--variant {text!r}: {item!r} is not KEY=VALUE")
-        overrides[key] = yaml.safe_load(value)
-    return name, overrides
 
 
 def measure(reader, queries, blocks, p, special, device, precision: str, batch_size: int, seed: int) -> dict[str, Any]:
@@ -120,7 +104,7 @@ def run_variant(ws: Path, name: str, overrides: dict[str, Any], n_queries: int, 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workspace", type=Path, required=True, help="a folder that ran pretrain_retromae")
-    ap.add_argument("--variant", action="append", required=True, help="NAME=KEY=VALUE,KEY=VALUE (dotted params keys)")
+    ap.add_argument("--variant", action="append", required=True, help="NAME:key=value,key=value (dotted params keys; NAME: alone for none)")
     ap.add_argument("--queries", type=int, default=128, help="held-out masked queries measured")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, required=True, help="JSON lines, one per variant (appended)")
@@ -128,6 +112,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
     from components.io import write_jsonl_atomic
+
+    from experiments.variants import parse_variant
 
     variants = [parse_variant(v) for v in args.variant]
     done = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []

@@ -191,3 +191,42 @@ def test_script_runs_end_to_end_and_writes_its_json_atomically(trained, tmp_path
     bad = subprocess.run([sys.executable, "-m", "experiments.realm_diagnostic", "--workspace", str(tmp_path)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "dvc repro" in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# the reader warm-up study (experiments/reader_warmup_study.py)
+# ----------------------------------------------------------------------------------------------
+def test_reader_warmup_study_trains_only_the_warmup_and_reads_the_heldout_queries(trained, tmp_path):
+    from experiments.reader_warmup_study import main
+
+    out = tmp_path / "study.jsonl"
+    argv = ["--workspace", str(trained), "--out", str(out), "--queries", "8",
+            "--variant", "none:realm.reader_warmup_steps=0", "--variant", "copy:realm.reader_warmup_steps=3,"
+            "realm.reader_warmup_doc=own_block,realm.reader_warmup_doc_len=16,realm.reader_warmup_mask_ratio=0.2"]
+    rows = main(argv)
+    assert [r["variant"] for r in rows] == ["none", "copy"]
+    none, copy = rows
+    assert none["before"] == none["after"] and none["warmup"] == {}  # no warm-up: the same reader read twice
+    assert copy["warmup"]["reader_warmup_steps"] == 3 and len(copy["curve"]) >= 1
+    assert copy["before"] == none["before"]  # the same seeded init and the same held-out queries
+    for r in rows:
+        for side in ("before", "after"):
+            rep = r[side]
+            assert 0 < rep["queries"] <= 8 and rep["tokens_own_block"] == rep["tokens_null"] > 0
+            assert all(0.0 <= rep[f"acc_{s}"] <= 1.0 for s in ("null", "own_block"))
+    assert main(argv) == rows  # rerun: both variants are in the file already, nothing retrained
+    assert [json.loads(line)["variant"] for line in out.read_text().splitlines()] == ["none", "copy"]
+
+
+def test_variant_specs_parse_and_refuse_with_the_item_named():
+    from experiments.variants import parse_variant
+
+    assert parse_variant("base:") == ("base", {})
+    assert parse_variant("v:realm.top_k=8,realm.query_tower=live,realm.x=") == (
+        "v", {"realm.top_k": 8, "realm.query_tower": "live", "realm.x": None})
+    with pytest.raises(ValueError, match="expected NAME:key=value"):
+        parse_variant("base")
+    with pytest.raises(ValueError, match="'realm.top_k' is not"):
+        parse_variant("v:realm.top_k")
+    with pytest.raises(ValueError, match="only finetune"):
+        parse_variant("v:realm.top_k=8", prefix="finetune.")

@@ -1,0 +1,24 @@
+"""A study's variants on the command line: `NAME:key=value,key=value`, dotted params keys and YAML values
+(`NAME:` alone: the workspace's params unchanged). Shared by the studies that compare param variants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def parse_variant(spec: str, prefix: str = "") -> tuple[str, dict[str, Any]]:
+    """`NAME:key=value,...` -> (NAME, {key: value}); every key must start with `prefix` (a ValueError
+    that names the item otherwise)."""
+    import yaml
+
+    name, colon, rest = spec.partition(":")
+    if not name or not colon:
+        raise ValueError(f"--variant {spec!r}: expected NAME:key=value,... (NAME: alone for no override)")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith(prefix):
+            raise ValueError(f"--variant {spec!r}: {item!r} is not {prefix or ''}<key>=<value>"
+                             + (f" (only {prefix}* keys vary here)" if prefix else ""))
+        overrides[key] = yaml.safe_load(value)
+    return name, overrides
