@@ -85,15 +85,17 @@ def _client(workdir, sock, *args, env=None, **kw) -> subprocess.Popen:
                             text=True, **kw)
 
 
-def _run(workdir, sock, *args, env=None) -> tuple[int, dict, str, int]:
-    proc = _client(workdir, sock, *args, env=env)
+def _run(workdir, sock, *args, env=None, **kw) -> tuple[int, dict, str, int]:
+    proc = _client(workdir, sock, *args, env=env, **kw)
     out, err = proc.communicate(timeout=60)
     return proc.returncode, json.loads(out.splitlines()[0]), err, proc.pid
 
 
 def test_a_served_stage_is_a_forked_child_with_the_clients_argv_env_stdio_and_status(workdir, server):
     proc, sock = server
-    rc, seen, err, client_pid = _run(workdir, sock, "--item", "a b", "--exit", "3", env=_env(DVC_STAGE="tokenize"))
+    # SIGHUP at its default in the client, even when the tests run under `nohup` (the next test covers the ignored case)
+    rc, seen, err, client_pid = _run(workdir, sock, "--item", "a b", "--exit", "3", env=_env(DVC_STAGE="tokenize"),
+                                     preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     assert seen["ppid"] == proc.pid, "not served: the module did not run in a child of the server"
     assert (rc, seen["argv"], seen["stage"], seen["main"]) == (3, ["--item", "a b", "--exit", "3"], "tokenize", "__main__")
     assert Path(seen["cwd"]) == workdir
