@@ -40,16 +40,13 @@ def measure(reader, queries, blocks, p, special, device, precision: str, batch_s
     from components.data.realm_batch import passage_columns
     from components.eval.realm_probes import answer_blocks, same_entity_gold
     from components.data.salient_spans import span_tagger_for
-    from components.eval.realm_reading import FixedReads, fixed_documents, read_fixed_documents
+    from components.eval.realm_reading import FixedReads, article_rows, fixed_documents, read_fixed_documents
     from components.training.precision import autocast_for
 
     rng = np.random.default_rng(seed)
     answers = answer_blocks(queries, blocks)
     about = same_entity_gold(queries, answers, blocks, span_tagger_for(p))
-    titles = [str(t or "") for t in blocks["title"]] if "title" in blocks.column_names else []
-    by_article: dict[str, list[int]] = {}
-    for r, t in enumerate(titles):
-        by_article.setdefault(t, []).append(r)
+    article, by_article = article_rows(blocks)
     lookup = blocks.select_columns(passage_columns(p))
     reads = FixedReads()
     was_training = reader.training
@@ -57,7 +54,7 @@ def measure(reader, queries, blocks, p, special, device, precision: str, batch_s
     with torch.no_grad(), autocast_for(precision, device):
         for i in range(0, len(queries), batch_size):
             qs = queries[i:i + batch_size]
-            mates = [by_article[titles[q.source_row]] for q in qs] if any(titles) else None
+            mates = [by_article[article[q.source_row]] for q in qs] if article is not None else None
             rows = fixed_documents(qs, answers[i:i + batch_size], about[i:i + batch_size], len(blocks), rng, mates)
             read_fixed_documents(reader, qs, rows, lookup, p, special, device, reads)
     reader.train(was_training)

@@ -45,7 +45,7 @@ from components.data.realm_query import RealmQuery, fixed_queries
 from components.data.salient_spans import span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.eval.realm_probes import answer_blocks, same_entity_gold
-from components.eval.realm_reading import FixedReads, fixed_documents, mean_sd, per_query, read_fixed_documents, reader_log_probs
+from components.eval.realm_reading import FixedReads, article_rows, fixed_documents, mean_sd, per_query, read_fixed_documents, reader_log_probs
 from components.index.faiss_index import BlockIndex
 from components.models.ict import ICTModel
 from components.models.realm import REALM
@@ -258,11 +258,7 @@ def run_diagnostic(ws: RealmWorkspace, n_queries: int = 96, batch_size: int = 8,
                          f"need 2 batches of {batch_size} (lower --batch-size)")
     answers = answer_blocks(queries, ws.blocks)  # (Q,) rows other than x's own holding the masked span
     about = same_entity_gold(queries, answers, ws.blocks, span_tagger_for(p))
-    titles = [str(t or "") for t in ws.blocks["title"]] if "title" in ws.blocks.column_names else []
-    article = titles if any(titles) else None
-    by_article: dict[str, list[int]] = {}
-    for r, t in enumerate(article or []):
-        by_article.setdefault(t, []).append(r)
+    article, by_article = article_rows(ws.blocks)
     to = lambda b: {k: v.to(dev) for k, v in b.items()}  # noqa: E731
 
     reads = FixedReads()

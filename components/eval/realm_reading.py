@@ -61,6 +61,17 @@ def fixed_documents(queries: list[RealmQuery], answers: list[set[int]], about: l
     return out
 
 
+def article_rows(blocks) -> tuple[list[str] | None, dict[str, list[int]]]:
+    """Each block's article title, or None when the corpus has no titles (then `fixed_documents` has no
+    same-article slot), and the rows of each article."""
+    titles = [str(t or "") for t in blocks["title"]] if "title" in blocks.column_names else []
+    article = titles if any(titles) else None
+    by_article: dict[str, list[int]] = {}
+    for r, t in enumerate(article or []):
+        by_article.setdefault(t, []).append(r)
+    return article, by_article
+
+
 @dataclass
 class FixedReads:
     """Per-token hits of the reader by `SLOTS` slot, and per-query span log-likelihood gaps."""

@@ -128,6 +128,7 @@ class ReaderWarmupCollator:
         self.blocks, self.lookup, self.p, self.special = blocks, blocks.select_columns(["input_ids"]), p, special
         self.spans, self.doc_rows = spans, doc_rows
         self.span_blocks = span_block_counts(blocks, p)  # realm.span_min/max_other_blocks: the queries REALM trains on
+        self.unmaskable = torch.tensor(sorted({*special.special, special.pad, special.cls, special.sep, special.mask}))
 
     def document(self, q: RealmQuery, rng: np.random.Generator) -> int:
         answer_block = self.spans is not None and self.p.reader_warmup_doc == "answer_block"
@@ -179,8 +180,7 @@ class ReaderWarmupCollator:
     def mask_more(self, x: torch.Tensor, labels: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """`reader_warmup_mask_ratio` of x's other (non-special, unmasked) tokens masked too, as targets."""
         ratio = self.p.reader_warmup_mask_ratio
-        special = torch.tensor(sorted({*self.special.special, self.special.pad, self.special.cls, self.special.sep, self.special.mask}))
-        free = (labels == IGNORE_INDEX) & ~torch.isin(x, special)  # (B, Lx)
+        free = (labels == IGNORE_INDEX) & ~torch.isin(x, self.unmaskable)  # (B, Lx)
         pick = free & torch.from_numpy(rng.random(tuple(x.shape)) < ratio)
         return x.masked_fill(pick, self.special.mask), torch.where(pick, x, labels)
 
