@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from components.config_stages import DataParams, TokenizeParams  # noqa: E402
 from components.data.prepare import prepare_corpus  # noqa: E402
 from components.data.tokenize import tokenize_corpus  # noqa: E402
+from components.io import write_text_atomic  # noqa: E402
 
 DEFAULT = ROOT.parent / "shared/data/prose/python311_docs_paragraphs.jsonl"
 
@@ -58,7 +59,7 @@ def main(argv=None) -> dict:
                "tokenizer_train_s": res["tokenize"][1][0]["seconds"]["tokenizer"],
                "pack_s": res["tokenize"][1][0]["seconds"]["pack"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(args.out, json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return summary
 

@@ -35,6 +35,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from components.io import write_text_atomic  # noqa: E402
+
 PROSE = ROOT.parent / "shared" / "data" / "prose"  # the developers' data folder beside the checkout
 DIM, K, QB = 128, 8, 512
 
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _write(path: str, res: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(res, indent=2))
+    write_text_atomic(path, json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":

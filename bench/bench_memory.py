@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workspace import fresh_clone  # noqa: E402
-from components.io import write_bytes_atomic, write_json_atomic  # noqa: E402
+from components.io import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
 # the stages measured (one start, one size and one open-QA system stand for the fine-tunes: step_overrides)
@@ -80,7 +80,7 @@ def run_arm(preset: str, arm: str, sets: list[str], workdir: Path, upto: str) ->
     with open(dest / "pipeline.log", "w") as log:
         subprocess.run(cmd, cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True,
                        env={**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, **env_extra})
-    (dest / "wall_seconds.txt").write_text(f"{time.time() - t0:.0f}\n")
+    write_text_atomic(dest / "wall_seconds.txt", f"{time.time() - t0:.0f}\n")
     return dest
 
 

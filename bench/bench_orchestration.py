@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.conftest import make_workspace  # noqa: E402  (also sets OMP/TOKENIZERS/HF offline defaults)
 from tests.servers import _SCRUB, MLflowServer, PrefectServer, S3Server, _tool, http_json  # noqa: E402
+from components.io import write_text_atomic  # noqa: E402
 
 VENV_BIN = str(Path(sys.executable).parent)
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
     res["env"]["loadavg_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_text_atomic(args.out, json.dumps(res, indent=2) + "\n")
     print(json.dumps(res["summary"], indent=2))
     return res
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from components.models.encoder import cls_pool, load_encoder, resolve_pretrained  # noqa: E402
 from components.training.precision import cpu_has_native_bf16  # noqa: E402
+from components.io import write_text_atomic  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:
@@ -100,7 +101,7 @@ def main() -> None:
         "cpu_bf16_native": cpu_has_native_bf16(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    write_text_atomic(args.out, json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))
 
 

@@ -35,6 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from components.io import write_text_atomic  # noqa: E402
+
 SHAPES = {"small": dict(hidden=256, layers=4, heads=4, inter=1024), "tiny": dict(hidden=64, layers=2, heads=2, inter=256)}
 
 
@@ -106,7 +108,7 @@ def worker(a: argparse.Namespace) -> None:
         res = {"config": vars(a) | {"worker": None}, "rounds": rounds, "median": med,
                "goal": {"efficiency": ">= 0.85"}, "env": {"cpus": os.cpu_count(), "torch": torch.__version__}}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2))
+        write_text_atomic(a.out, json.dumps(res, indent=2))
         print(json.dumps(med, indent=2), flush=True)
     dist.barrier()
     dist.destroy_process_group()

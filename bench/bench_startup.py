@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.workspace import fresh_clone  # noqa: E402
 from tests.servers import _SCRUB, MLflowServer, PrefectServer, S3Server  # noqa: E402
+from components.io import write_text_atomic  # noqa: E402
 
 MEASURES = ("stage", "repro", "noop", "import")
 
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
                                "dvc repro": round(medians[v]["repro_wall"] - body_s, 2)} for v in samples}
     res["env"]["loadavg_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_text_atomic(args.out, json.dumps(res, indent=2) + "\n")
 
     print(f"\n{args.stage}, {args.rounds} rounds, baseline {base} vs candidate {head}; body (warm) {body_s:.3f} s; "
           f"load {res['env']['loadavg_start'][0]:.1f} -> {res['env']['loadavg_end'][0]:.1f}")

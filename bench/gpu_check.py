@@ -40,6 +40,7 @@ from components.config_stages import RetroMAEParams  # noqa: E402
 from components.data.masking import RetroMAECollator, SpecialTokens  # noqa: E402
 from components.models.encoder import build_encoder  # noqa: E402
 from components.models.retromae import RetroMAE  # noqa: E402
+from components.io import write_text_atomic  # noqa: E402
 
 SHAPES = {
     "base": dict(hidden=768, layers=12, heads=12, inter=3072, vocab=30522, max_len=512, batch=32),
@@ -207,7 +208,7 @@ def shard_worker(shape: dict, n_blocks: int, out: str) -> None:
     gathered = [torch.empty_like(d) for _ in range(world)]
     dist.all_gather(gathered, d)
     if rank == 0:
-        Path(out).write_text(json.dumps({
+        write_text_atomic(out, json.dumps({
             "ranks": world, "blocks": n_blocks, "block_len": L, "batch": B, "refresh_s": wall,
             "blocks_per_s": n_blocks / wall, "tokens_per_s": n_blocks * L / wall, "shard_seconds": st["shard_seconds"],
             "build_seconds": st["build_seconds"], "faiss_gpus": gpu_count(),
@@ -257,7 +258,7 @@ def nccl_worker(shape: dict, steps: int, out: str) -> None:
     tokens = torch.tensor([float(batch["attention_mask"].sum()) * steps], device=device)
     dist.all_reduce(tokens)
     if rank == 0:
-        Path(out).write_text(json.dumps({"ranks": world, "steps": steps, "seconds": dt, "tokens_per_s": float(tokens) / dt,
+        write_text_atomic(out, json.dumps({"ranks": world, "steps": steps, "seconds": dt, "tokens_per_s": float(tokens) / dt,
                                          "tokens_per_s_per_gpu": float(tokens) / dt / world,
                                          "final_loss": float(loss.detach())}))
     dist.barrier()
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         res["nccl_ddp"] = {"ok": None, "skipped": f"{n_gpus} GPU(s) visible; the NCCL run needs 2"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_text_atomic(args.out, json.dumps(res, indent=2) + "\n")
     t = res["train"]
     print(f"train: {t['tokens_per_s']:.0f} tokens/s, {t['step_ms']:.1f} ms/step, {t['achieved_tflops']:.2f} TFLOP/s"
           + (f", MFU {t['mfu']:.1%} (goal 40%)" if "mfu" in t else " (CPU: no MFU)"))

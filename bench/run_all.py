@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from components.io import write_text_atomic  # noqa: E402
+
 RESULTS = ROOT / "bench/results"
 
 SUITE = [
@@ -135,7 +139,7 @@ def main(argv=None) -> None:
             if rc != 0:
                 print(f"  (exit {rc}; its row stays n/a)", flush=True)
     text = summary() + STUDIES + hand_run_sections(ROOT / "bench/README.md")
-    (ROOT / "bench/README.md").write_text(text)
+    write_text_atomic(ROOT / "bench/README.md", text)
     print(text)
 
 

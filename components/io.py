@@ -265,12 +265,13 @@ def file_digest(path: str | os.PathLike, algo: str = "md5") -> str:
     return h.hexdigest()
 
 
-def tree_digest(root: str | os.PathLike, algo: str = "md5") -> tuple[str, int, int]:
-    """(digest, n_files, total_bytes) over every file under `root`, in sorted path order."""
+def tree_digest(root: str | os.PathLike, algo: str = "md5", pattern: str = "*") -> tuple[str, int, int]:
+    """(digest, n_files, total_bytes) over every file under `root` whose name matches `pattern`,
+    in sorted path order."""
     root = Path(root)
     h = hashlib.new(algo)
     n = size = 0
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    files = [root] if root.is_file() else sorted(p for p in root.rglob(pattern) if p.is_file())
     for p in files:
         rel = p.name if root.is_file() else p.relative_to(root).as_posix()
         h.update(rel.encode() + b"\0" + file_digest(p, algo).encode() + b"\n")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from components.eval.comparisons import paper_comparisons, per_query_path, read_per_query  # noqa: E402
 from components.eval.significance import paired_test, per_query_metric  # noqa: E402
 from bench.workspace import fresh_clone  # noqa: E402
-from components.io import write_bytes_atomic  # noqa: E402
+from components.io import write_bytes_atomic, write_text_atomic  # noqa: E402
 from components.progress import format_duration  # noqa: E402
 
 RESULTS = ROOT / "experiments/results/{preset}_seeds.json"
@@ -68,7 +68,7 @@ def run_seed(seed: int, split: str, workdir: Path, preset: str = "small") -> Pat
     t0 = time.time()
     with open(dest / "pipeline.log", "w") as log:
         subprocess.run(cmd, cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True)
-    (dest / "wall_seconds.txt").write_text(f"{time.time() - t0:.0f}\n")
+    write_text_atomic(dest / "wall_seconds.txt", f"{time.time() - t0:.0f}\n")
     return dest
 
 
@@ -248,7 +248,7 @@ def main() -> None:
     workdir = args.workdir or Path(f"/tmp/{args.preset}_seeds")
     sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset), s, args.preset) for s in args.seeds]
     res = collect(sources)
-    Path(str(RESULTS).format(preset=args.preset)).write_text(json.dumps(res, indent=1))
+    write_text_atomic(str(RESULTS).format(preset=args.preset), json.dumps(res, indent=1))
     print(markdown(res))
 
 

@@ -32,6 +32,7 @@ from components.data.prepare import prepare_corpus
 from components.data.tokenize import load_tokenizer, tokenize_corpus
 from components.eval.dense import dense_run
 from components.eval.metrics import retrieval_metrics
+from components.io import write_text_atomic
 from components.models.mlm import MLMModel
 from components.models.encoder import build_encoder, mlm_head, warm_start_path
 from components.models.retromae import RetroMAE
@@ -110,7 +111,7 @@ def eval_init(args) -> None:
 
 def record(cfg: dict, r: dict) -> None:
     PERQ.mkdir(parents=True, exist_ok=True)
-    (PERQ / f"{cfg['name']}.perq.json").write_text(json.dumps(r.pop("perq")))
+    write_text_atomic(PERQ / f"{cfg['name']}.perq.json", json.dumps(r.pop("perq")))
     line = {**cfg, **r, "load": round(os.getloadavg()[0], 2)}
     with RESULTS.open("a") as f:
         f.write(json.dumps(line) + "\n")

@@ -73,6 +73,23 @@ def test_keeps_newest_checkpoints_and_removes_stale_tmp(tmp_path):
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "checkpoints")] == [12, 15]
     assert result.checkpoint == tmp_path / "checkpoints" / "step-000015"
     assert not stale.exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000012", "step-000015"]  # no leftovers
+
+
+def test_a_crash_while_pruning_never_leaves_a_half_deleted_step(tmp_path, monkeypatch):
+    trainer(tmp_path, max_steps=6, keep_checkpoints=3, checkpoint_every=3).fit()
+    root = tmp_path / "checkpoints"
+
+    def killed(path, *a, **kw):  # the process dies after the rename, before a single file is deleted
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("components.io.shutil.rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.prune_checkpoints(root, keep=1)
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [6]  # step 3 is gone under its name, whole or not at all
+    monkeypatch.undo()
+    assert [p.name.split("-")[0] for p in ckpt.remove_leftovers(root)] == [".old"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-000006"]
 
 
 def test_completed_run_resumes_as_a_no_op(tmp_path):

@@ -48,6 +48,7 @@ def test_headline_has_one_small_file_per_system_and_training_figures(tmp_path):
     write_headline(tmp_path / "headline", {"main": {"bm25": _table()["main"]["bm25"]}}, [1, 5], tmp_path)
     assert sorted(f.stem for f in (tmp_path / "headline").iterdir()) == ["bm25", "pretrain_realm", "pretrain_retromae"]
     assert json.loads((tmp_path / "headline/bm25.json").read_text()) == {"main": {"nDCG@10": 0.412, "R@5": 0.5}}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".old-"))]  # swapped in whole, nothing left over
 
 
 def test_dvc_metrics_show_fits_120_columns(tmp_path):

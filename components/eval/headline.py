@@ -13,10 +13,9 @@ MLflow.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from components.io import write_json_atomic
+from components.io import atomic_dir, write_json_atomic
 
 # stage summary (metrics/<stage>.json) key -> headline column
 TRAINING = {
@@ -70,6 +69,7 @@ def write_headline(out_dir: str | Path, table: dict, recall_at: list[int], metri
     out_dir = Path(out_dir)
     k = 100 if 100 in recall_at else max(recall_at)
     rows = {**headline_rows(table, k), **training_rows(Path(metrics_dir))}
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    return [write_json_atomic(out_dir / f"{name}.json", row) for name, row in rows.items()]
+    with atomic_dir(out_dir) as tmp:  # swapped in whole: a crash keeps the previous headline, never half of one
+        for name, row in rows.items():
+            write_json_atomic(tmp / f"{name}.json", row)
+    return [out_dir / f"{name}.json" for name in rows]

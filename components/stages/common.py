@@ -37,11 +37,8 @@ def code_digest(root: Path | None = None) -> str:
     """sha256 over every .py file of `components/` and `flows/` under `root` (default: this
     checkout), path and bytes, in sorted order."""
     root = REPO_ROOT if root is None else root
-    h = hashlib.sha256()
-    for top in CODE_ROOTS:
-        for f in sorted((root / top).rglob("*.py")):
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
+    tops = "\n".join(f"{top}\0{tree_digest(root / top, 'sha256', '*.py')[0]}" for top in CODE_ROOTS)
+    return hashlib.sha256(tops.encode()).hexdigest()
 
 
 def checkpoint_dir(stage: str, params: Params, sections: list[str], corpus_dir: str | os.PathLike = CORPUS,

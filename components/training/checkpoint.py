@@ -25,7 +25,6 @@ import os
 import pickle
 import random
 import re
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -35,8 +34,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-from components.io import (MANIFEST, ManifestError, begin_dir, commit_dir, read_manifest, remove_leftovers, temp_sibling,
-                           verify_manifest, write_manifest)
+from components.io import (MANIFEST, ManifestError, begin_dir, commit_dir, read_manifest, remove_dir, remove_leftovers,
+                           temp_sibling, verify_manifest, write_manifest)
 
 FORMAT = "retro-realm-checkpoint/2"  # /2: the manifest's entries are {sha256, bytes}
 MODEL_FILE = "model.safetensors"
@@ -127,7 +126,7 @@ def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
         raise ValueError(f"keep must be >= 1 (got {keep})")
     old = [p for _, p in list_checkpoints(root)[:-keep]]
     for p in old:
-        shutil.rmtree(p, ignore_errors=True)
+        remove_dir(p)  # renamed aside first: a crash mid-delete never leaves a half `step-N` to resume from
     return old
 
 

@@ -27,7 +27,6 @@ on to the next batch; `train.max_bad_steps` consecutive bad steps (at least 1) s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -48,6 +47,7 @@ from components.training import checkpoint as ckpt
 from components.training import distributed as D
 from components.training import memory
 from components.training.batches import MicroBatches, StepSampler, micro_batch_size, seed_everything, to_device
+from components.training.hooks import Hooks
 from components.training.optim import SCHEDULES, LrGroup, lr_at, param_groups
 from components.training.precision import AMP_DTYPES, resolve_precision
 from components.training.resume import resume_trainer, save_trainer_checkpoint
@@ -78,32 +78,6 @@ class TrainResult:
     checkpoint: Path | None  # the final checkpoint folder
     elapsed_s: float = 0.0
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of every logged window, resumes included
-
-
-@dataclass
-class Hooks:
-    """Callables run on EVERY rank (guard rank-0-only work with `distributed.is_rank0()`).
-
-    on_train_start(step, trainer): after resuming, before the first step (REALM: build the index).
-    on_step_end(step, trainer): after each optimiser step and its checkpoint (REALM: refresh_index).
-    on_checkpoint(step, path): after a checkpoint folder is committed.
-    """
-
-    on_train_start: list[Callable[[int, "Trainer"], Any]] = field(default_factory=list)
-    on_step_end: list[Callable[[int, "Trainer"], Any]] = field(default_factory=list)
-    on_checkpoint: list[Callable[[int, Path], Any]] = field(default_factory=list)
-
-    @classmethod
-    def coerce(cls, hooks: "Hooks | Mapping[str, Any] | None") -> "Hooks":
-        if hooks is None:
-            return cls()
-        if isinstance(hooks, cls):
-            return hooks
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(hooks) - names
-        if unknown:
-            raise ValueError(f"unknown hook(s) {sorted(unknown)}; known: {sorted(names)}")
-        return cls(**{k: list(v) if isinstance(v, (list, tuple)) else [v] for k, v in hooks.items()})
 
 
 # ----------------------------------------------------------------------------------------------
