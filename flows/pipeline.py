@@ -296,9 +296,11 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
     """
     if concurrency < 1 or concurrency > 8:
         raise ValueError(f"concurrency={concurrency}: 1 (one stage at a time) to 8")
-    stages = plan(target=target, upto=upto, only=only)
     changes = {**(preset_switch(preset) if preset else {}), **(overrides or {})}
     apply_param_overrides(changes)
+    # planned after the write: a matrix stage's items come from params.yaml (finetune.train_sizes), so
+    # a plan of the file as it was would run the previous preset's curve points
+    stages = plan(target=target, upto=upto, only=only)
     params = load_params()
     parent = open_parent_run(params, tags={"rr.overrides": json.dumps(overrides or {}), "rr.preset": preset or "",
                                            "rr.target": target or "", "rr.only": only or "", "rr.upto": upto or "",

@@ -150,6 +150,31 @@ def test_the_pipeline_flow_plans_with_dvcs_own_planner():
             plan(target="nope")
 
 
+def test_the_pipeline_plans_the_matrix_its_preset_and_overrides_write(tmp_path, monkeypatch):
+    """`finetune_retriever`'s matrix items come from params.yaml, so the flow plans after writing the
+    preset and overrides: planned before, `--preset small` ran the default's curve points only."""
+    import flows.pipeline as fp
+    from tests.conftest import make_workspace
+
+    class Planned(Exception):
+        pass
+
+    real_plan = fp.plan
+
+    def plan_then_stop(**kw):  # DVC's real plan, then stop before any stage runs
+        raise Planned(real_plan(**kw))
+
+    ws = make_workspace(tmp_path / "ws")
+    monkeypatch.chdir(ws)
+    monkeypatch.setattr(fp, "plan", plan_then_stop)
+    sizes = [8, 24, "all"]
+    assert load_params(ws / "params.yaml").finetune.train_sizes != sizes
+    with pytest.raises(Planned) as planned:
+        fp.pipeline.fn(overrides={"finetune.train_sizes": sizes}, only="finetune_retriever")
+    starts = load_params(ws / "params.yaml").finetune.retrieval_inits
+    assert sorted(planned.value.args[0]) == sorted(f"finetune_retriever@{s}-{n}" for s in starts for n in sizes)
+
+
 def test_missing_outputs_names_what_a_partial_run_leaves_out(tmp_path):
     """`dvc exp save` refuses a workspace that lacks any output of dvc.yaml, which is the state after
     `--upto pretrain_realm` on a fresh clone (pretrain_mlm never ran): the pipeline names those
