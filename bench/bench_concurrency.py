@@ -38,11 +38,11 @@ from components.io import write_json_atomic  # noqa: E402
 PHASE = ("finetune_retriever", "finetune_reader")
 
 
-def pipeline(ws: Path, *args: str, log) -> float:
-    """`python -m flows.pipeline ARGS` in `ws`; its wall seconds."""
+def pipeline(ws: Path, *args: str, log, threads: int = 1) -> float:
+    """`python -m flows.pipeline ARGS` in `ws`, each stage process with `threads` OpenMP threads; its wall seconds."""
     t0 = time.perf_counter()
     subprocess.run([".venv/bin/python", "-m", "flows.pipeline", *args], cwd=ws, stdout=log, stderr=subprocess.STDOUT,
-                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return time.perf_counter() - t0
 
 
@@ -64,23 +64,27 @@ def prepare(preset: str, workdir: Path) -> tuple[Path, float]:
     """One clone with every input of the fine-tuning phase (untimed for the levels): the pipeline
     `--upto pretrain_realm`, then `pretrain_mlm` (not upstream of REALM, but `ft:mlm` starts from it)."""
     ws = fresh_clone(workdir / "ws")
+    threads = os.cpu_count() or 1
     with open(ws / "bench.log", "a") as log:
-        setup_s = pipeline(ws, "--preset", preset, "--upto", "pretrain_realm", log=log)
-        setup_s += pipeline(ws, "--only", "pretrain_mlm", log=log)
+        setup_s = pipeline(ws, "--preset", preset, "--upto", "pretrain_realm", log=log, threads=threads)
+        setup_s += pipeline(ws, "--only", "pretrain_mlm", log=log, threads=threads)
     return ws, setup_s
 
 
 def run_level(level: int, ws: Path) -> dict:
     """The fine-tuning phase at `level`, from scratch: its outputs and its checkpoints (which a rerun
-    would resume) are removed first, so DVC and the stages redo all of it."""
+    would resume) are removed first, so DVC and the stages redo all of it. The cores are shared out:
+    each of the `level` stage processes gets cpus // level OpenMP threads, so every level uses the
+    same cores and only the overlap differs."""
+    threads = max(1, (os.cpu_count() or 1) // level)
     shutil.rmtree(ws / "models" / "finetune", ignore_errors=True)
     for ckpt in (ws / "checkpoints").glob("finetune_*"):
         shutil.rmtree(ckpt)
     with open(ws / "bench.log", "a") as log:
-        phase = {g: round(pipeline(ws, "--only", g, "--concurrency", str(level), log=log), 1) for g in PHASE}
+        phase = {g: round(pipeline(ws, "--only", g, "--concurrency", str(level), log=log, threads=threads), 1) for g in PHASE}
     stages = stage_seconds(ws)
     wall, work = sum(phase.values()), sum(stages.values())
-    return {"concurrency": level, "phase_wall_s": round(wall, 1), "phase_by_group_s": phase,
+    return {"concurrency": level, "threads_per_stage": threads, "phase_wall_s": round(wall, 1), "phase_by_group_s": phase,
             "stage_work_s": round(work, 1), "overlap": round(work / wall, 2) if wall else None, "stages_s": stages,
             "loadavg_after": os.getloadavg()}
 

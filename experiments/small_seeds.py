@@ -4,11 +4,13 @@ the whole pipeline once per seed, then every paper comparison per seed and poole
     python -m experiments.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min to ~2 h each)
     python -m experiments.small_seeds --preset default --seeds 0 1 --split dev   # the default (~33 min per seed in bf16)
     python -m experiments.small_seeds --collect experiments/results/small_seeds/seed0.json.gz /tmp/small_seeds/seed1   # tables only
+    python -m experiments.small_seeds --name small_curve --set 'finetune.retrieval_inits=[init,mlm,retromae]' ...  # a variant, archived apart
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
 never touched and every run is the committed code: `python -m flows.pipeline --preset small --set
-compute.seed=<N> --set evaluate.split=<split>` (the preset and the overrides written into the
-clone's params.yaml, so its dvc.lock records them).
+compute.seed=<N> --set evaluate.split=<split>` and any `--set` given here (the preset and the overrides
+written into the clone's params.yaml, so its dvc.lock records them). `--name` files a variant's
+archives and tables apart from the preset's own (default: the preset's name).
 The corpus split (`data.split.seed`) stays fixed, so every seed answers the same questions.
 
 Each finished seed is archived as experiments/results/<preset>_seeds/seed<N>.json.gz: its rows, its per-query
@@ -18,7 +20,8 @@ or on different machines pool into one table; a seed without per-query scores (a
 by hand from a run whose workspace was lost: `"per_query": null`, its own `comparisons`) gives its
 per-seed tests, and the pooled test is left out.
 
-Writes experiments/results/<preset>_seeds.json and prints Markdown for docs/results.md: per-seed rows,
+Writes experiments/results/<name>_seeds.json, the curve averaged over seeds as
+experiments/results/<name>_seeds/label_efficiency.{png,csv} (when the seeds recorded their curve points), and prints Markdown for docs/results.md: per-seed rows,
 stage wall times, the label-efficiency curve's per-size tests (ft:retromae@N vs ft:mlm@N and
 ft:init@N, for every size the seeds ran), and each comparison with its delta and two-sided p per seed and pooled (the
 paired randomisation test over every (seed, query) pair).
@@ -41,11 +44,12 @@ sys.path.insert(0, str(ROOT))
 from components.eval.comparisons import paper_comparisons, per_query_path, read_per_query  # noqa: E402
 from components.eval.significance import paired_test, per_query_metric  # noqa: E402
 from bench.workspace import fresh_clone  # noqa: E402
+from components.eval.report import write_plots  # noqa: E402
 from components.io import write_bytes_atomic, write_text_atomic  # noqa: E402
 from components.progress import format_duration  # noqa: E402
 
-RESULTS = ROOT / "experiments/results/{preset}_seeds.json"
-ARCHIVE = ROOT / "experiments/results/{preset}_seeds"
+RESULTS = ROOT / "experiments/results/{name}_seeds.json"
+ARCHIVE = ROOT / "experiments/results/{name}_seeds"
 # dvc.yaml's stages; a foreach / matrix group's time is the sum over its `<group>@<item>` stages
 STAGES = ("prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune_retriever",
           "finetune_reader", "evaluate")
@@ -55,16 +59,16 @@ ROW_ORDER = ("bm25", "warm-start:mean", "init", "retromae", "mlm", "realm", "rea
              "ft:realm", "qa:closed-book", "qa:bm25", "qa:realm", "qa:realm-stale")
 
 
-def run_seed(seed: int, split: str, workdir: Path, preset: str = "small") -> Path:
-    """Clone HEAD into workdir/seed<N> and run the preset there (`default`: params.yaml as it is);
-    returns the clone."""
+def run_seed(seed: int, split: str, workdir: Path, preset: str = "small", overrides: tuple[str, ...] = ()) -> Path:
+    """Clone HEAD into workdir/seed<N> and run the preset there (`default`: params.yaml as it is) with
+    the `KEY=VALUE` overrides; returns the clone."""
     dest = workdir / f"seed{seed}"
     if (dest / "metrics/eval.json").exists():
         print(f"seed {seed}: {dest} already has metrics/eval.json; collecting it", flush=True)
         return dest
     fresh_clone(dest)
     cmd = [".venv/bin/python", "-m", "flows.pipeline", *([] if preset == "default" else ["--preset", preset]),
-           "--set", f"compute.seed={seed}", "--set", f"evaluate.split={split}"]
+           "--set", f"compute.seed={seed}", "--set", f"evaluate.split={split}", *(a for o in overrides for a in ("--set", o))]
     t0 = time.time()
     with open(dest / "pipeline.log", "w") as log:
         subprocess.run(cmd, cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -105,8 +109,8 @@ def cpu_name() -> str:
     return f"{name.group(1).strip() if name else 'unknown'} ({', '.join(have) or 'no avx'})"
 
 
-def archive(ws: Path, seed: int, preset: str = "small") -> Path:
-    """A finished workspace -> experiments/results/<preset>_seeds/seed<N>.json.gz (written atomically): its
+def archive(ws: Path, seed: int, name: str = "small") -> Path:
+    """A finished workspace -> experiments/results/<name>_seeds/seed<N>.json.gz (written atomically): its
     record as `load_seed` reads it, with the seed, commit and CPU, and only the table's metrics."""
     rec = load_seed(ws)
     rec.pop("workspace")
@@ -114,7 +118,7 @@ def archive(ws: Path, seed: int, preset: str = "small") -> Path:
                         for system, pq in rec["per_query"].items()}
     commit = subprocess.run(["git", "-C", str(ws), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rec.update(seed=seed, commit=commit, cpu=cpu_name())
-    dest = Path(str(ARCHIVE).format(preset=preset)) / f"seed{seed}.json.gz"
+    dest = Path(str(ARCHIVE).format(name=name)) / f"seed{seed}.json.gz"
     return write_bytes_atomic(dest, gzip.compress(json.dumps(rec).encode("utf-8")))
 
 
@@ -130,7 +134,7 @@ def load_seed(src: Path) -> dict:
                  if (p := per_query_path(src / "metrics/eval", "main", system)).exists()}
     return {"seed": None, "commit": None, "cpu": None, "split": table.get("split"), "rows": table["main"],
             "wall_seconds": float(wall.read_text()) if wall.exists() else None, "stage_seconds": stage_seconds(src),
-            "per_query": per_query, "workspace": str(src)}
+            "per_query": per_query, "label_efficiency": table.get("label_efficiency") or [], "workspace": str(src)}
 
 
 def _stored_test(rec: dict, a: str, b: str, metric: str) -> dict | None:
@@ -168,6 +172,24 @@ def size_table(res: dict) -> list[str]:
     return lines if tests else []
 
 
+def mean_curve(seeds: list[dict]) -> list[dict]:
+    """The label-efficiency points (`curve.curve_points`) averaged over the seeds that recorded them:
+    one point per (set, start, size), with `seeds` = how many it averages."""
+    acc: dict[tuple, dict] = {}
+    for rec in seeds:
+        for p in rec.get("label_efficiency") or []:
+            point = acc.setdefault((p["dataset"], p["start"], str(p["size"]), p["kind"]), {**p, "seeds": 0, "_sums": {}})
+            point["seeds"] += 1
+            for m in ("ndcg_at_10", "recall_at_20"):
+                if p.get(m) is not None:
+                    point["_sums"].setdefault(m, []).append(p[m])
+    out = []
+    for point in acc.values():
+        sums = point.pop("_sums")
+        out.append({**point, **{m: sum(v) / len(v) for m, v in sums.items()}})
+    return out
+
+
 def collect(sources: list[Path]) -> dict:
     """Every paper comparison per seed, and pooled over the (seed, query) pairs of the seeds whose
     per-query scores were kept (at least two; a summary without them gives its own test only)."""
@@ -199,8 +221,8 @@ def collect(sources: list[Path]) -> dict:
                 pooled = {"delta": r.delta, "p": r.p_value, "n": r.n, "seeds": pooled_seeds}
             comparisons.append({"a": c.a, "b": c.b, "metric": metric, "question": c.question, "per_seed": per_seed,
                                 "pooled": pooled})
-    return {"seeds": [{k: v for k, v in rec.items() if k not in ("per_query", "comparisons")} for rec in seeds],
-            "comparisons": comparisons}
+    return {"seeds": [{k: v for k, v in rec.items() if k not in ("per_query", "comparisons", "label_efficiency")} for rec in seeds],
+            "comparisons": comparisons, "label_efficiency": mean_curve(seeds)}
 
 
 def markdown(res: dict) -> str:
@@ -242,13 +264,20 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--split", choices=["test", "dev"], default="test")
     ap.add_argument("--preset", default="small", help="small, or default (params.yaml as committed)")
-    ap.add_argument("--workdir", type=Path, help="where the clones go (default: /tmp/<preset>_seeds)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a param override for every seed's run (repeatable), as flows.pipeline --set")
+    ap.add_argument("--name", help="the results' name: experiments/results/<name>_seeds[.json] (default: the preset)")
+    ap.add_argument("--workdir", type=Path, help="where the clones go (default: /tmp/<name>_seeds)")
     ap.add_argument("--collect", type=Path, nargs="*", help="archives (seed<N>.json.gz) or finished workspaces: only build the tables")
     args = ap.parse_args()
-    workdir = args.workdir or Path(f"/tmp/{args.preset}_seeds")
-    sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset), s, args.preset) for s in args.seeds]
+    name = args.name or args.preset
+    workdir = args.workdir or Path(f"/tmp/{name}_seeds")
+    sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset, tuple(args.overrides)), s, name)
+                               for s in args.seeds]
     res = collect(sources)
-    write_text_atomic(str(RESULTS).format(preset=args.preset), json.dumps(res, indent=1))
+    write_text_atomic(str(RESULTS).format(name=name), json.dumps(res, indent=1))
+    if res["label_efficiency"]:  # the curve over seeds: what docs/results.md shows
+        write_plots(Path(str(ARCHIVE).format(name=name)), label_efficiency=res["label_efficiency"])
     print(markdown(res))
 
 

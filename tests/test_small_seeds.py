@@ -97,3 +97,24 @@ def test_the_curve_sizes_pool_over_seeds(tmp_path, archive_dir):
     table = md[md.index("Label efficiency"):].splitlines()
     assert table[4].startswith("| ft:retromae@8 | ft:mlm@8 | ndcg_at_10 | +0.100 (0.0625); +0.200 (0.0625) | +0.150 (")
     assert any(line.startswith("| ft:retromae | ft:init |") for line in table)  # the largest size last
+
+
+def test_the_curve_is_averaged_over_the_seeds_that_recorded_it(tmp_path, archive_dir):
+    """Each seed's label-efficiency points (metrics/eval.json) survive the archive and average per
+    (set, start, size); a seed without them (an older archive) adds nothing."""
+    def point(start, size, ndcg):
+        return {"dataset": "main", "start": start, "size": size, "questions": 32 if size == 32 else 480,
+                "kind": "fine-tuned", "ndcg_at_10": ndcg, "recall_at_20": 1.0}
+
+    sources = []
+    for i, (a, b) in enumerate([(0.5, 0.7), (0.6, 0.9)]):
+        ws = _workspace(tmp_path, f"seed{i}", 0.0)
+        table = json.loads((ws / "metrics/eval.json").read_text())
+        table["label_efficiency"] = [point("retromae", 32, a), point("retromae", "all", b)]
+        (ws / "metrics/eval.json").write_text(json.dumps(table))
+        sources.append(small_seeds.archive(ws, i))
+    older = tmp_path / "seed9.json"
+    older.write_text(json.dumps({"seed": 9, "split": "test", "rows": {}, "per_query": None, "stage_seconds": {}, "wall_seconds": None}))
+    curve = {(p["start"], p["size"]): p for p in small_seeds.collect([*sources, older])["label_efficiency"]}
+    assert curve[("retromae", 32)]["ndcg_at_10"] == pytest.approx(0.55) and curve[("retromae", 32)]["seeds"] == 2
+    assert curve[("retromae", "all")]["ndcg_at_10"] == pytest.approx(0.8) and curve[("retromae", "all")]["questions"] == 480
