@@ -253,7 +253,10 @@ def _label_efficiency_figure(points: Sequence[Mapping]):
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("training questions")
         ax.set_ylabel(name)
-        ax.set_ylim(0, None)  # from 0, top fitted: the starts differ by a few points, which [0, 1] flattens
+        ys = [p[metric] for pts in lines.values() for p in pts if p.get(metric) is not None]
+        if ys:  # fitted to the points: the starts differ by a point or two, which an axis from 0 flattens
+            pad = max(0.01, 0.1 * (max(ys) - min(ys)))
+            ax.set_ylim(max(0.0, min(ys) - pad), min(1.0, max(ys) + pad))
         ax.grid(True, alpha=0.3)
         ax.set_title(f"{name} after fine-tuning")
     ax.legend(fontsize=8)
