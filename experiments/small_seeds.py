@@ -13,7 +13,7 @@ written into the clone's params.yaml, so its dvc.lock records them). `--name` fi
 archives and tables apart from the preset's own (default: the preset's name).
 The corpus split (`data.split.seed`) stays fixed, so every seed answers the same questions.
 
-Each finished seed is archived as experiments/results/<preset>_seeds/seed<N>.json.gz: its rows, its per-query
+Each finished seed is archived as experiments/results/<name>_seeds/seed<N>.json.gz: its rows, its per-query
 scores (what every p-value is computed from), the stage wall times (from each stage's MLflow run),
 the commit and the CPU. `--collect` takes archives or workspaces, so seeds run in different sessions
 or on different machines pool into one table; a seed without per-query scores (an archive written
