@@ -58,7 +58,6 @@ def main(argv=None) -> dict:
                "num_proc_speedup_2_over_1": round(tok[1] / tok[2], 3),
                "tokenizer_train_s": res["tokenize"][1][0]["seconds"]["tokenizer"],
                "pack_s": res["tokenize"][1][0]["seconds"]["pack"]}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return summary

@@ -251,7 +251,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _write(path: str, res: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(res, indent=2))
 
 

@@ -206,7 +206,6 @@ def main(argv: list[str] | None = None) -> dict:
             "no-op dvc repro (for reference)": medians["E_dvc_repro_noop"],
         }
     res["env"]["loadavg_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, json.dumps(res, indent=2) + "\n")
     print(json.dumps(res["summary"], indent=2))
     return res

@@ -100,7 +100,6 @@ def main() -> None:
         "cls_cosine_bf16_vs_fp32": {"min": round(float(cos.min()), 5), "mean": round(float(cos.mean()), 5)},
         "cpu_bf16_native": cpu_has_native_bf16(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))
 

@@ -107,7 +107,6 @@ def worker(a: argparse.Namespace) -> None:
         med.update({f"{m}_wall_s": float(np.median([x[m]["wall_s"] for x in rounds])) for m in "ABC"})
         res = {"config": vars(a) | {"worker": None}, "rounds": rounds, "median": med,
                "goal": {"efficiency": ">= 0.85"}, "env": {"cpus": os.cpu_count(), "torch": torch.__version__}}
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(a.out, json.dumps(res, indent=2))
         print(json.dumps(med, indent=2), flush=True)
     dist.barrier()

@@ -183,7 +183,6 @@ def main(argv: list[str] | None = None) -> dict:
     res["fixed_cost_s"] = {v: {"stage process": round(medians[v]["stage_wall"] - body_s, 2),
                                "dvc repro": round(medians[v]["repro_wall"] - body_s, 2)} for v in samples}
     res["env"]["loadavg_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, json.dumps(res, indent=2) + "\n")
 
     print(f"\n{args.stage}, {args.rounds} rounds, baseline {base} vs candidate {head}; body (warm) {body_s:.3f} s; "

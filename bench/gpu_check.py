@@ -309,7 +309,6 @@ def main(argv: list[str] | None = None) -> dict:
             res["nccl_ddp"]["per_gpu_vs_single"] = res["nccl_ddp"]["tokens_per_s_per_gpu"] / res["train"]["tokens_per_s"]
     else:
         res["nccl_ddp"] = {"ok": None, "skipped": f"{n_gpus} GPU(s) visible; the NCCL run needs 2"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, json.dumps(res, indent=2) + "\n")
     t = res["train"]
     print(f"train: {t['tokens_per_s']:.0f} tokens/s, {t['step_ms']:.1f} ms/step, {t['achieved_tflops']:.2f} TFLOP/s"

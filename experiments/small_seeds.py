@@ -175,18 +175,15 @@ def size_table(res: dict) -> list[str]:
 def mean_curve(seeds: list[dict]) -> list[dict]:
     """The label-efficiency points (`curve.curve_points`) averaged over the seeds that recorded them:
     one point per (set, start, size), with `seeds` = how many it averages."""
-    acc: dict[tuple, dict] = {}
+    groups: dict[tuple, list[dict]] = {}
     for rec in seeds:
         for p in rec.get("label_efficiency") or []:
-            point = acc.setdefault((p["dataset"], p["start"], str(p["size"]), p["kind"]), {**p, "seeds": 0, "_sums": {}})
-            point["seeds"] += 1
-            for m in ("ndcg_at_10", "recall_at_20"):
-                if p.get(m) is not None:
-                    point["_sums"].setdefault(m, []).append(p[m])
+            groups.setdefault((p["dataset"], p["start"], str(p["size"]), p["kind"]), []).append(p)
     out = []
-    for point in acc.values():
-        sums = point.pop("_sums")
-        out.append({**point, **{m: sum(v) / len(v) for m, v in sums.items()}})
+    for points in groups.values():
+        means = {m: sum(vals) / len(vals) for m in ("ndcg_at_10", "recall_at_20")
+                 if (vals := [p[m] for p in points if p.get(m) is not None])}
+        out.append({**points[0], "seeds": len(points), **means})
     return out
 
 

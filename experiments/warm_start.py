@@ -110,7 +110,6 @@ def eval_init(args) -> None:
 
 
 def record(cfg: dict, r: dict) -> None:
-    PERQ.mkdir(parents=True, exist_ok=True)
     write_text_atomic(PERQ / f"{cfg['name']}.perq.json", json.dumps(r.pop("perq")))
     line = {**cfg, **r, "load": round(os.getloadavg()[0], 2)}
     with RESULTS.open("a") as f:
