@@ -50,9 +50,10 @@ GOAL_SLOPE_MB = 1.0   # per 1,000 steps (issue 30)
 GOAL_PEAK_MB = 4096.0
 
 
-def step_overrides(preset: str, steps: int, realm_steps: int) -> list[str]:
-    """Every loop at `steps` (REALM's own training at `realm_steps`; 0: the preset's own counts); one
-    start and one open-QA system stand for the fine-tunes (each runs the same loop)."""
+def step_overrides(preset: str, steps: int, realm_steps: int, ict_steps: int | None = None) -> list[str]:
+    """Every loop at `steps` (REALM's own training at `realm_steps`, tiny's ICT warm-up at `ict_steps`,
+    default `steps`; 0: the preset's own counts); one start and one open-QA system stand for the
+    fine-tunes (each runs the same loop)."""
     if not steps:
         return ["tracking.log_every=1"]
     sets = [f"retromae.train.max_steps={steps}", f"realm.train.max_steps={realm_steps}",
@@ -62,7 +63,7 @@ def step_overrides(preset: str, steps: int, realm_steps: int) -> list[str]:
             f"retromae.train.checkpoint_every={max(50, steps // 4)}", f"realm.train.checkpoint_every={max(20, realm_steps // 4)}",
             f"finetune.train.checkpoint_every={max(50, steps // 4)}", f"finetune.qa_train.checkpoint_every={max(50, steps // 4)}"]
     if preset == "tiny":
-        sets.append(f"realm.ict_steps={steps}")
+        sets.append(f"realm.ict_steps={steps if ict_steps is None else ict_steps}")
     return sets
 
 
@@ -130,8 +131,10 @@ def plot(results: dict, path: Path, preset: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["pretrain_retromae/rss_mb", "pretrain_realm/rss_mb"]
-    fig, axes = plt.subplots(1, len(keys), figsize=(11, 4))
+    keys = [k for k in ("pretrain_retromae/rss_mb", "pretrain_realm/reader_warmup_rss_mb", "pretrain_realm/rss_mb")
+            if any(k in res["curves"] for res in results["arms"].values())]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    axes = axes[0]
     for ax, key in zip(axes, keys):
         for arm, res in results["arms"].items():
             pts = res["curves"].get(key)
@@ -139,7 +142,7 @@ def plot(results: dict, path: Path, preset: str) -> None:
                 s, v = zip(*pts)
                 slope = res["summary"]["loops"][key]["slope_mb_per_1000"]
                 ax.plot(s, v, label=arm if slope is None else f"{arm} ({slope:+.0f} MB/1k steps)")
-        ax.set(title=f"{key.split('/')[0]} ({preset})", xlabel="optimiser step", ylabel="RSS (MiB)")
+        ax.set(title=f"{key.split('/')[0]}{' reader warm-up' if 'warmup' in key else ''} ({preset})", xlabel="optimiser step", ylabel="RSS (MiB)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -173,13 +176,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="tiny", help="a params/ preset: tiny, small or paper")
     ap.add_argument("--steps", type=int, default=2000, help="steps of every loop but REALM's own training; 0: the preset's")
     ap.add_argument("--realm-steps", type=int, default=None, help="REALM's training steps (default: --steps)")
+    ap.add_argument("--ict-steps", type=int, default=None, help="tiny's ICT warm-up steps (default: --steps)")
     ap.add_argument("--upto", default="finetune_reader@realm", choices=STAGES[2:], help="the last stage run")
     ap.add_argument("--arms", nargs="+", default=["glibc", "auto"], choices=list(ARMS))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_memory"))
     ap.add_argument("--collect", nargs="*", type=Path, default=None,
                     help="tables and plot from saved results only: these files' arms in one table (none: this preset's)")
     a = ap.parse_args(argv)
-    base = f"memory_{a.preset}{'' if a.steps else '_preset_steps'}"
+    # the 2,000-step soak keeps its historical name; other lengths are filed apart
+    base = f"memory_{a.preset}{'_preset_steps' if not a.steps else '' if a.steps == 2000 else f'_{a.steps}steps'}"
     if a.collect is not None:
         parts = [json.loads(f.read_text()) for f in a.collect] or [json.loads((RESULTS / f"{base}.json").read_text())]
         results = {**parts[0], "arms": {arm: r for part in parts for arm, r in part["arms"].items()}}
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             write_json_atomic(out, results)
     else:
         realm_steps = a.realm_steps if a.realm_steps is not None else a.steps
-        sets = step_overrides(a.preset, a.steps, realm_steps)
+        sets = step_overrides(a.preset, a.steps, realm_steps, a.ict_steps)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
         results = {"preset": a.preset, "upto": a.upto, "steps": a.steps, "realm_steps": realm_steps, "commit": commit, "cpu": cpu,
