@@ -18,17 +18,8 @@ from components.models.biencoder import BiEncoder
 from components.models.reader import OpenQA, SpanReader
 from components.models.span_scores import SpanMLP
 from components.retrieval.search import dense_search, frozen_search_fn, tower_search_fn
-from tests.test_reader import tiny_reader_config, tokenized_blocks
+from tests.test_reader import BLOCKS, tiny_reader_config, tokenized_blocks  # the same seven blocks
 
-BLOCKS = [
-    "Thutax kept a ferret as a pet and played the bassoon.",  # 0
-    "Sesger was founded by Thutax and competes with Tikrex.",  # 1
-    "The Drusyusk has a length of 1154 km and is full of perch.",  # 2
-    "Navestom was the home town of Thutax.",  # 3
-    "Records from this period are incomplete.",  # 4
-    "Tikrex is a firm that builds bridges across the Drusyusk.",  # 5
-    "Older sources occasionally confuse Drusyusk with Sesger.",  # 6
-]
 QUESTIONS = [
     ("What pet did Thutax keep?", ["ferret"]),
     ("Who founded Sesger?", ["Thutax"]),
