@@ -119,7 +119,9 @@ def slope_per_1000(points: list[tuple[int, float]], skip: float = 0.25) -> float
 def summarise(arm_curves: dict, arm_peaks: dict) -> dict:
     loops = {}
     for name, pts in arm_curves.items():
+        # a short run (the default size's 300 steps) spends ~100-150 of them filling the allocator: its second half says more
         loops[name] = {"steps": pts[-1][0] if pts else 0, "slope_mb_per_1000": slope_per_1000(pts),
+                       "slope_second_half_mb_per_1000": slope_per_1000(pts, skip=0.5),
                        "start_mb": pts[0][1] if pts else None, "end_mb": pts[-1][1] if pts else None,
                        "max_mb": max(v for _, v in pts) if pts else None}
     return {"loops": loops, "peaks_mb": arm_peaks}
@@ -131,8 +133,10 @@ def plot(results: dict, path: Path, preset: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in ("pretrain_retromae/rss_mb", "pretrain_realm/reader_warmup_rss_mb", "pretrain_realm/rss_mb")
-            if any(k in res["curves"] for res in results["arms"].values())]
+    names = sorted({k for res in results["arms"].values() for k in res["curves"]})
+    group_metric = lambda k: (k.split("/")[0].split("@")[0], k.split("/")[-1])  # pretrain_realm@refreshed: REALM's group  # noqa: E731
+    keys = [k for want in (("pretrain_retromae", "rss_mb"), ("pretrain_realm", "reader_warmup_rss_mb"), ("pretrain_realm", "rss_mb"))
+            for k in names if group_metric(k) == want]
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
     axes = axes[0]
     for ax, key in zip(axes, keys):
@@ -156,13 +160,14 @@ def markdown(results: dict) -> str:
     first = results["arms"][arms[0]]["summary"]
     lines = [f"Preset `{results['preset']}`, steps {results['steps']} (REALM {results['realm_steps']}), commit "
              f"{results['commit']}, {results['cpu']}.", "",
-             "| loop | steps | " + " | ".join(f"{a} slope (MB/1k steps)" for a in arms) + " | " +
+             "| loop | steps | " + " | ".join(f"{a} slope (MB/1k steps; second half)" for a in arms) + " | " +
              " | ".join(f"{a} max RSS (MB)" for a in arms) + " |",
              "|---|---:|" + "---:|" * (2 * len(arms))]
     for loop in first["loops"]:
         row = [results["arms"][a]["summary"]["loops"].get(loop, {}) for a in arms]
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        lines.append(f"| {loop} | {row[0].get('steps')} | " + " | ".join(fmt(r.get("slope_mb_per_1000"), "+.1f") for r in row)
+        lines.append(f"| {loop} | {row[0].get('steps')} | " + " | ".join(
+            f'{fmt(r.get("slope_mb_per_1000"), "+.1f")}; {fmt(r.get("slope_second_half_mb_per_1000"), "+.1f")}' for r in row)
                      + " | " + " | ".join(fmt(r.get("max_mb"), ".0f") for r in row) + " |")
     lines += ["", "| stage | " + " | ".join(f"{a} peak RSS (MB)" for a in arms) + " |", "|---|" + "---:|" * len(arms)]
     for stage in STAGES:
@@ -188,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.collect is not None:
         parts = [json.loads(f.read_text()) for f in a.collect] or [json.loads((RESULTS / f"{base}.json").read_text())]
         results = {**parts[0], "arms": {arm: r for part in parts for arm, r in part["arms"].items()}}
+        for r in results["arms"].values():  # refit: the summary's columns may be newer than the file
+            r["summary"] = summarise({k: [tuple(p) for p in v] for k, v in r["curves"].items()}, r["summary"]["peaks_mb"])
         out = RESULTS / f"{base}.json"
         if a.collect:
             write_json_atomic(out, results)
