@@ -145,7 +145,7 @@ def plot(results: dict, path: Path, preset: str) -> None:
             if pts:
                 s, v = zip(*pts)
                 slope = res["summary"]["loops"][key]["slope_mb_per_1000"]
-                ax.plot(s, v, label=arm if slope is None else f"{arm} ({slope:+.0f} MB/1k steps)")
+                ax.plot(s, v, label=arm if slope is None else f"{arm} ({slope:+.1f} MB/1k steps)")
         ax.set(title=f"{key.split('/')[0]}{' reader warm-up' if 'warmup' in key else ''} ({preset})", xlabel="optimiser step", ylabel="RSS (MiB)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
