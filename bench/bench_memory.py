@@ -3,6 +3,7 @@
     python -m bench.bench_memory --preset tiny                       # every loop >= 2,000 steps, both arms
     python -m bench.bench_memory --preset small --steps 300 --realm-steps 100
     python -m bench.bench_memory --preset tiny --arms glibc --steps 1000 --workdir /tmp/bm_glibc   # arms side by side
+    python -m bench.bench_memory --preset tiny --steps 10000 --ict-steps 200 --realm-steps 2000 --arms auto --upto pretrain_realm@refreshed
     python -m bench.bench_memory --collect bench/results/memory_tiny_auto.json bench/results/memory_tiny_glibc.json
 
 Each arm runs the real pipeline (`flows.pipeline --upto finetune_reader@realm`, so every stage goes through
@@ -16,8 +17,9 @@ and reader warm-ups and its training with refreshes, each bi-encoder and reader 
 is a least-squares fit of RSS on step over the curve after its first quarter (the warm-up, where the
 allocator and caches fill), in MB per 1,000 steps. Peaks are each stage's `peak_rss_mb` (MLflow).
 
-Writes bench/results/memory_<preset>_<arms>.json (--collect: memory_<preset>.json), a PNG beside it (RSS against step for
-RetroMAE and REALM, both arms) and prints the Markdown rows of bench/README.md.
+Writes bench/results/memory_<preset>[_<n>steps]_<arms>.json (--collect: without the arms), a PNG beside it (RSS
+against step for RetroMAE, REALM's reader warm-up and REALM, every arm) and prints the Markdown rows of
+bench/README.md.
 """
 
 from __future__ import annotations
