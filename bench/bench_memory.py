@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         parts = [json.loads(f.read_text()) for f in a.collect] or [json.loads((RESULTS / f"{base}.json").read_text())]
         results = {**parts[0], "arms": {arm: r for part in parts for arm, r in part["arms"].items()}}
         for r in results["arms"].values():  # refit: the summary's columns may be newer than the file
-            r["summary"] = summarise({k: [tuple(p) for p in v] for k, v in r["curves"].items()}, r["summary"]["peaks_mb"])
+            r["summary"] = summarise(r["curves"], r["summary"]["peaks_mb"])
         out = RESULTS / f"{base}.json"
         if a.collect:
             write_json_atomic(out, results)
