@@ -5,6 +5,8 @@ the whole pipeline once per seed, then every paper comparison per seed and poole
     python -m experiments.small_seeds --preset default --seeds 0 1 --split dev   # the default (~33 min per seed in bf16)
     python -m experiments.small_seeds --collect experiments/results/small_seeds/seed0.json.gz /tmp/small_seeds/seed1   # tables only
     python -m experiments.small_seeds --name small_curve --set 'finetune.retrieval_inits=[init,mlm,retromae]' ...  # a variant, archived apart
+    python -m experiments.small_seeds --name small_curve_realm --upto finetune_retriever --set ...  # part of the DAG, then evaluate
+    python -m experiments.small_seeds --name small_curve --take 'ft:realm*' --merge BASE0 EXTRA0 --merge BASE1 EXTRA1  # one seed, two runs
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
 never touched and every run is the committed code: `python -m flows.pipeline --preset small --set
@@ -12,6 +14,14 @@ compute.seed=<N> --set evaluate.split=<split>` and any `--set` given here (the p
 written into the clone's params.yaml, so its dvc.lock records them). `--name` files a variant's
 archives and tables apart from the preset's own (default: the preset's name).
 The corpus split (`data.split.seed`) stays fixed, so every seed answers the same questions.
+`--upto STAGE` runs that stage and what it needs (`flows.pipeline --upto`), then the evaluate stage's
+own command outside DVC, which scores the models that exist (a curve line without the rest of the DAG).
+
+`--merge BASE EXTRA` makes one seed's archive from two runs of it: BASE (an archive) plus the systems
+of EXTRA that match a `--take` glob. It refuses unless both ran the same seed on the same split and
+the systems both scored that every fine-tune start descends from (`ANCHORS`) agree on every query, so
+the added rows start from the same models as BASE's. The archive records what was added from where
+(`merged`: commit, CPU, systems, times).
 
 Each finished seed is archived as experiments/results/<name>_seeds/seed<N>.json.gz: its rows, its per-query
 scores (what every p-value is computed from), the stage wall times (from each stage's MLflow run),
@@ -30,6 +40,7 @@ paired randomisation test over every (seed, query) pair).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import gzip
 import json
 import re
@@ -59,19 +70,24 @@ ROW_ORDER = ("bm25", "warm-start:mean", "init", "retromae", "mlm", "realm", "rea
              "ft:realm", "qa:closed-book", "qa:bm25", "qa:realm", "qa:realm-stale")
 
 
-def run_seed(seed: int, split: str, workdir: Path, preset: str = "small", overrides: tuple[str, ...] = ()) -> Path:
+def run_seed(seed: int, split: str, workdir: Path, preset: str = "small", overrides: tuple[str, ...] = (),
+             upto: str | None = None) -> Path:
     """Clone HEAD into workdir/seed<N> and run the preset there (`default`: params.yaml as it is) with
-    the `KEY=VALUE` overrides; returns the clone."""
+    the `KEY=VALUE` overrides (`upto`: that stage and what it needs, then evaluate what exists); returns
+    the clone."""
     dest = workdir / f"seed{seed}"
     if (dest / "metrics/eval.json").exists():
         print(f"seed {seed}: {dest} already has metrics/eval.json; collecting it", flush=True)
         return dest
     fresh_clone(dest)
     cmd = [".venv/bin/python", "-m", "flows.pipeline", *([] if preset == "default" else ["--preset", preset]),
-           "--set", f"compute.seed={seed}", "--set", f"evaluate.split={split}", *(a for o in overrides for a in ("--set", o))]
+           "--set", f"compute.seed={seed}", "--set", f"evaluate.split={split}", *(a for o in overrides for a in ("--set", o)),
+           *(["--upto", upto] if upto else [])]
     t0 = time.time()
     with open(dest / "pipeline.log", "w") as log:
         subprocess.run(cmd, cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True)
+        if upto:  # evaluate's own command, outside DVC (whose evaluate needs every model): rows for what exists
+            subprocess.run(["scripts/py", "-m", "flows.evaluate"], cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True)
     write_text_atomic(dest / "wall_seconds.txt", f"{time.time() - t0:.0f}\n")
     return dest
 
@@ -135,6 +151,63 @@ def load_seed(src: Path) -> dict:
     return {"seed": None, "commit": None, "cpu": None, "split": table.get("split"), "rows": table["main"],
             "wall_seconds": float(wall.read_text()) if wall.exists() else None, "stage_seconds": stage_seconds(src),
             "per_query": per_query, "label_efficiency": table.get("label_efficiency") or [], "workspace": str(src)}
+
+
+ANCHORS = ("bm25", "init", "retromae")  # what every fine-tune start descends from
+
+
+def merge_seed(base: dict, extra: dict, take: list[str], anchors: tuple[str, ...] = ANCHORS, tol: float = 1e-6) -> dict:
+    """One seed's record from two runs of it: `base` plus the systems of `extra` whose names match a
+    `take` glob (rows, per-query scores, curve points). Both must be the same seed on the same split,
+    with per-query scores, and every anchor both scored must agree on every query within `tol`:
+    otherwise the taken rows would not descend from the models of the base's rows."""
+    def fail(why: str):
+        raise ValueError(f"cannot merge seed {extra.get('seed')} ({extra.get('commit')}) into seed {base.get('seed')} "
+                         f"({base.get('commit')}): {why}")
+
+    if (base.get("seed"), base.get("split")) != (extra.get("seed"), extra.get("split")):
+        fail(f"seed/split {base.get('seed')}/{base.get('split')} against {extra.get('seed')}/{extra.get('split')}")
+    if base.get("per_query") is None or extra.get("per_query") is None:
+        fail("both need per-query scores")
+    shared = [a for a in anchors if a in base["per_query"] and a in extra["per_query"]]
+    if not shared:
+        fail(f"no anchor system ({', '.join(anchors)}) in both, so nothing shows they start from the same models")
+    for a in shared:
+        pa, pb = base["per_query"][a], extra["per_query"][a]
+        if set(pa) != set(pb):
+            fail(f"{a} scored different queries")
+        worst = max((abs(v - pb[q].get(m, float("inf"))) for q, ms in pa.items() for m, v in ms.items()), default=0.0)
+        if worst > tol:
+            fail(f"{a} differs by up to {worst:.4g} on a query (tolerance {tol}): the runs do not share their models")
+    taken = sorted(s for s in extra["rows"] if any(fnmatch.fnmatchcase(s, g) for g in take))
+    if not taken:
+        fail(f"no system of it matches {take}")
+    if clash := [s for s in taken if s in base["rows"]]:
+        fail(f"the base already has {', '.join(clash)}")
+    starts = {t[len("ft:"):].partition("@")[0] for t in taken if t.startswith("ft:")}
+    out = {**base, "rows": {**base["rows"], **{s: extra["rows"][s] for s in taken}},
+           "per_query": {**base["per_query"], **{s: extra["per_query"][s] for s in taken if s in extra["per_query"]}}}
+    out["label_efficiency"] = [*(base.get("label_efficiency") or []),
+                               *(p for p in extra.get("label_efficiency") or [] if p["kind"] == "fine-tuned" and p["start"] in starts)]
+    out["merged"] = [*(base.get("merged") or []),
+                     {"systems": taken, "anchors": shared, **{k: extra.get(k) for k in ("commit", "cpu", "wall_seconds", "stage_seconds")}}]
+    return out
+
+
+def merge_archives(pairs: list[tuple[Path, Path]], take: list[str], name: str) -> list[Path]:
+    """`merge_seed` for each (base, extra) pair -> experiments/results/<name>_seeds/seed<N>.json.gz."""
+    out = []
+    for base, extra in pairs:
+        rec = merge_seed(load_seed(base), load_seed(extra), take)
+        dest = Path(str(ARCHIVE).format(name=name)) / f"seed{rec['seed']}.json.gz"
+        out.append(write_bytes_atomic(dest, gzip.compress(json.dumps(rec).encode("utf-8"))))
+    return out
+
+
+def _commit_cell(s: dict) -> str:
+    """The seed's commit, and where merged rows came from (`+ 1a2b3c4 (ft:realm, ...)`)."""
+    added = "".join(f" + {m.get('commit') or '-'} ({', '.join(m['systems'])})" for m in s.get("merged") or [])
+    return f"{s.get('commit') or '-'}{added}"
 
 
 def _stored_test(rec: dict, a: str, b: str, metric: str) -> dict | None:
@@ -227,7 +300,7 @@ def markdown(res: dict) -> str:
     names = sorted(seeds[0]["rows"], key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n))
     lines = [f"Split: {seeds[0]['split']}; {len(seeds)} seeds. Mean over seeds (per-seed values in brackets).", "",
              "| Seed | Commit | CPU | Wall |", "|---|---|---|---:|",
-             *(f"| {_seed_label(s, i)} | {s.get('commit') or '-'} | {s.get('cpu') or '-'} | {'-' if s.get('wall_seconds') is None else format_duration(s['wall_seconds'])} |" for i, s in enumerate(seeds)),
+             *(f"| {_seed_label(s, i)} | {_commit_cell(s)} | {s.get('cpu') or '-'} | {'-' if s.get('wall_seconds') is None else format_duration(s['wall_seconds'])} |" for i, s in enumerate(seeds)),
              "",
              "| System | nDCG@10 | R@20 | EM | F1 |", "|---|---:|---:|---:|---:|"]
     for name in names:
@@ -266,11 +339,18 @@ def main() -> None:
     ap.add_argument("--name", help="the results' name: experiments/results/<name>_seeds[.json] (default: the preset)")
     ap.add_argument("--workdir", type=Path, help="where the clones go (default: /tmp/<name>_seeds)")
     ap.add_argument("--collect", type=Path, nargs="*", help="archives (seed<N>.json.gz) or finished workspaces: only build the tables")
+    ap.add_argument("--upto", help="run only this stage and what it needs (flows.pipeline --upto), then evaluate what exists")
+    ap.add_argument("--merge", type=Path, nargs=2, action="append", metavar=("BASE", "EXTRA"),
+                    help="one seed's archive from two runs: BASE plus EXTRA's --take systems (repeatable, one per seed)")
+    ap.add_argument("--take", nargs="+", default=["ft:realm*"], help="the systems --merge adds (globs)")
     args = ap.parse_args()
     name = args.name or args.preset
     workdir = args.workdir or Path(f"/tmp/{name}_seeds")
-    sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset, tuple(args.overrides)), s, name)
-                               for s in args.seeds]
+    if args.merge:
+        sources = merge_archives([tuple(p) for p in args.merge], args.take, name)
+    else:
+        sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset, tuple(args.overrides), args.upto), s, name)
+                                   for s in args.seeds]
     res = collect(sources)
     write_text_atomic(str(RESULTS).format(name=name), json.dumps(res, indent=1))
     if res["label_efficiency"]:  # the curve over seeds: what docs/results.md shows

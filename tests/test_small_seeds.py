@@ -118,3 +118,33 @@ def test_the_curve_is_averaged_over_the_seeds_that_recorded_it(tmp_path, archive
     curve = {(p["start"], p["size"]): p for p in small_seeds.collect([*sources, older])["label_efficiency"]}
     assert curve[("retromae", 32)]["ndcg_at_10"] == pytest.approx(0.55) and curve[("retromae", 32)]["seeds"] == 2
     assert curve[("retromae", "all")]["ndcg_at_10"] == pytest.approx(0.8) and curve[("retromae", "all")]["questions"] == 480
+
+
+def test_a_second_run_of_a_seed_adds_its_rows_only_when_it_shares_the_first_ones_models(tmp_path, archive_dir, monkeypatch):
+    """`--merge`: the ft:realm line, fine-tuned in a second run of seed 0, joins the first run's archive
+    (rows, per-query scores, curve points, provenance) only where their anchors agree on every query."""
+    monkeypatch.setattr(small_seeds, "ARCHIVE", tmp_path / "{name}_seeds")  # one folder per name, as in the repo
+    base_ws = _workspace(tmp_path, "base", 0.1, {"retromae": [0.9, 0.8, 0.7], "ft:mlm": [0.9, 0.8, 0.7]})
+    extra_ws = _workspace(tmp_path, "extra", 0.2, {"retromae": [0.9, 0.8, 0.7], "ft:realm": [0.9, 0.8, 0.7],
+                                                   "ft:realm@32": [0.8, 0.8, 0.8]})
+    table = json.loads((extra_ws / "metrics/eval.json").read_text())
+    table["label_efficiency"] = [{"dataset": "main", "start": s, "size": 32, "questions": 32, "kind": k, "ndcg_at_10": 0.6,
+                                  "recall_at_20": 1.0} for s, k in (("realm", "fine-tuned"), ("warm-start:mean", "reference"))]
+    (extra_ws / "metrics/eval.json").write_text(json.dumps(table))
+    base, extra = small_seeds.archive(base_ws, 0, "base"), small_seeds.archive(extra_ws, 0, "extra")
+
+    (merged,) = small_seeds.merge_archives([(base, extra)], ["ft:realm*"], "merged")
+    rec = small_seeds.load_seed(merged)
+    assert sorted(rec["rows"]) == ["ft:mlm", "ft:realm", "ft:realm@32", "retromae"]
+    assert rec["per_query"]["ft:realm@32"]["q1"]["ndcg_at_10"] == pytest.approx(0.6)  # EXTRA's scores
+    assert [(p["start"], p["kind"]) for p in rec["label_efficiency"]] == [("realm", "fine-tuned")]
+    assert rec["merged"][0]["systems"] == ["ft:realm", "ft:realm@32"] and rec["merged"][0]["anchors"] == ["retromae"]
+    assert "| 0 | - + - (ft:realm, ft:realm@32) |" in small_seeds.markdown(small_seeds.collect([merged]))
+
+    other = small_seeds.archive(_workspace(tmp_path, "other", 0.2, {"retromae": [0.9, 0.8, 0.6], "ft:realm": [0.9, 0.8, 0.7]}), 0, "o")
+    with pytest.raises(ValueError, match="retromae differs by up to 0.1"):
+        small_seeds.merge_archives([(base, other)], ["ft:realm*"], "merged")
+    with pytest.raises(ValueError, match="seed/split 0/test against 1/test"):
+        small_seeds.merge_archives([(base, small_seeds.archive(extra_ws, 1, "extra"))], ["ft:realm*"], "merged")
+    with pytest.raises(ValueError, match="the base already has ft:mlm"):
+        small_seeds.merge_archives([(base, small_seeds.archive(base_ws, 0, "again"))], ["ft:*"], "merged")
