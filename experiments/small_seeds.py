@@ -2,7 +2,7 @@
 the whole pipeline once per seed, then every paper comparison per seed and pooled over (seed, query) pairs.
 
     python -m experiments.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min to ~2 h each)
-    python -m experiments.small_seeds --preset default --seeds 0 1 --split dev   # the default (~33 min per seed in bf16)
+    python -m experiments.small_seeds --preset default --seeds 0 1 --split dev   # the default (~15 min per seed in bf16)
     python -m experiments.small_seeds --collect experiments/results/small_seeds/seed0.json.gz /tmp/small_seeds/seed1   # tables only
     python -m experiments.small_seeds --name small_curve --set 'finetune.retrieval_inits=[init,mlm,retromae]' ...  # a variant, archived apart
     python -m experiments.small_seeds --name small_curve_realm --upto finetune_retriever --set ...  # part of the DAG, then evaluate
@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from components.eval.comparisons import paper_comparisons, per_query_path, read_per_query  # noqa: E402
+from components.eval.comparisons import RETRIEVAL_METRICS, Comparison, paper_comparisons, per_query_path, read_per_query  # noqa: E402
 from components.eval.significance import paired_test, per_query_metric  # noqa: E402
 from bench.workspace import fresh_clone  # noqa: E402
 from components.eval.report import write_plots  # noqa: E402
@@ -234,8 +234,8 @@ def size_table(res: dict) -> list[str]:
     def size(c: dict) -> float:
         return float(c["a"].rpartition("@")[2]) if "@" in c["a"] else float("inf")  # ft:retromae: the largest size
 
-    tests = sorted((c for c in res["comparisons"] if c["a"].startswith("ft:retromae") and c["b"].startswith(("ft:mlm", "ft:init"))),
-                   key=size)
+    tests = sorted((c for c in res["comparisons"] if (c["a"].startswith("ft:retromae") and c["b"].startswith(("ft:mlm", "ft:init")))
+                    or c["a"].startswith("ft:realm")), key=size)
     lines = ["", "Label efficiency, per training size (`ft:<start>` is the largest; delta (p) per seed, and pooled):", "",
              "| A | B | Metric | Per seed | Pooled delta (p) |", "|---|---|---|---|---:|"]
     for c in tests:
@@ -260,12 +260,21 @@ def mean_curve(seeds: list[dict]) -> list[dict]:
     return out
 
 
+def realm_line_comparisons(seeds: list[dict]) -> list[Comparison]:
+    """The curve's `ft:realm` line against `ft:retromae` (REALM's retriever starts from RetroMAE's encoder:
+    does REALM's pre-training add to it after fine-tuning?) at every size where both lines have a point."""
+    names = {n for rec in seeds for n in rec["rows"]}
+    return [Comparison(f"ft:realm{tail}", f"ft:retromae{tail}", RETRIEVAL_METRICS, "REALM's pre-training on top of RetroMAE's, "
+                       f"after fine-tuning on {tail[1:] or 'all'} questions")
+            for tail in ("", *(f"@{n}" for n in curve_sizes(seeds))) if {f"ft:realm{tail}", f"ft:retromae{tail}"} <= names]
+
+
 def collect(sources: list[Path]) -> dict:
     """Every paper comparison per seed, and pooled over the (seed, query) pairs of the seeds whose
     per-query scores were kept (at least two; a summary without them gives its own test only)."""
     seeds = [load_seed(src) for src in sources]
     comparisons = []
-    for c in paper_comparisons("retromae", curve_sizes(seeds)):
+    for c in [*paper_comparisons("retromae", curve_sizes(seeds)), *realm_line_comparisons(seeds)]:
         for metric in c.metrics:
             per_seed, pooled_a, pooled_b, pooled_seeds = [], {}, {}, []
             for i, rec in enumerate(seeds):

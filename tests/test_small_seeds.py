@@ -148,3 +148,15 @@ def test_a_second_run_of_a_seed_adds_its_rows_only_when_it_shares_the_first_ones
         small_seeds.merge_archives([(base, small_seeds.archive(extra_ws, 1, "extra"))], ["ft:realm*"], "merged")
     with pytest.raises(ValueError, match="the base already has ft:mlm"):
         small_seeds.merge_archives([(base, small_seeds.archive(base_ws, 0, "again"))], ["ft:*"], "merged")
+
+
+def test_the_realm_line_is_tested_against_retromae_at_each_size_it_has(tmp_path, archive_dir):
+    """ft:realm@N vs ft:retromae@N (REALM starts from RetroMAE's encoder) wherever both lines have the point."""
+    vals = [0.9, 0.8, 0.7, 0.6, 0.5]
+    systems = {name: vals for name in ("ft:retromae@8", "ft:realm@8", "ft:retromae@16", "ft:retromae", "ft:realm")}
+    res = small_seeds.collect([small_seeds.archive(_workspace(tmp_path, f"seed{i}", 0.1, systems), i) for i in (0, 1)])
+    pairs = {(c["a"], c["b"]) for c in res["comparisons"] if c["a"].startswith("ft:realm")}
+    assert pairs == {("ft:realm@8", "ft:retromae@8"), ("ft:realm", "ft:retromae")}  # no ft:realm@16 point
+    c = next(c for c in res["comparisons"] if (c["a"], c["metric"]) == ("ft:realm@8", "ndcg_at_10"))
+    assert c["pooled"]["delta"] == pytest.approx(-0.1)  # ft:realm@8 is `shift` below the first system
+    assert "| ft:realm@8 | ft:retromae@8 | ndcg_at_10 |" in small_seeds.markdown(res)
