@@ -242,7 +242,7 @@ def _label_efficiency_figure(points: Sequence[Mapping]):
     fig = Figure(figsize=(10, 4))
     for i, (metric, name) in enumerate((("ndcg_at_10", "nDCG@10"), ("recall_at_20", "R@20"))):
         ax = fig.add_subplot(1, 2, i + 1)
-        for label, pts in lines.items():
+        for label, pts in sorted(lines.items(), key=lambda kv: kv[1][0]["kind"] == "reference"):  # the reference last
             pts = [p for p in pts if p.get(metric) is not None]
             ref = pts and pts[0]["kind"] == "reference"
             ax.plot([p["questions"] for p in pts], [p[metric] for p in pts], label=f"{label} (zero-shot)" if ref else label,
