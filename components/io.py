@@ -32,6 +32,28 @@ OLD_PREFIX = ".old-"
 # ----------------------------------------------------------------------------------------------
 # files
 # ----------------------------------------------------------------------------------------------
+LOW_SPACE_BYTES = 256 * 2**20  # a write that fails with less than this free on its device blames the disk
+
+
+@contextlib.contextmanager
+def explain_full_disk(folder: str | os.PathLike, what: str) -> Iterator[None]:
+    """Re-raise a write under `folder` that failed on a (nearly) full device as ENOSPC naming the
+    folder, the free space and the way out: torch.save's zip writer reports a full disk only as
+    "unexpected pos ... iostream error". Any other failure propagates unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            raise e from None
+        if getattr(e, "errno", None) != errno.ENOSPC and free >= LOW_SPACE_BYTES:
+            raise
+        raise OSError(errno.ENOSPC, f"{what}: no space left under {folder} ({free / 2**20:.0f} MiB free). Free space on "
+                      "that disk (old clones, `dvc gc`, other runs' checkpoints/), then rerun the same command: training "
+                      "resumes from the last complete checkpoint, and the half-written one is removed") from e
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or a new entry in `path` durable."""
     with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced

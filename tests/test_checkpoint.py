@@ -98,6 +98,37 @@ def test_completed_run_resumes_as_a_no_op(tmp_path):
     assert again.resumed_from == 10 and again.step == 10 and again.checkpoint.name == "step-000010"
 
 
+def test_a_full_disk_is_named_and_the_next_run_resumes_from_the_last_complete_checkpoint(tmp_path, monkeypatch):
+    """torch.save on a full disk raises only "unexpected pos ... iostream error": the Trainer reports
+    ENOSPC with the folder and the free space, and the rerun resumes from the last step that committed.
+    With room left, the same failure is not blamed on the disk."""
+    import errno
+    import shutil
+
+    real_write_state = ckpt.write_state
+
+    def full_at_step_10(folder, state):
+        if state["step"] == 10:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 46908544 vs 46908432")
+        real_write_state(folder, state)
+
+    monkeypatch.setattr(ckpt, "write_state", full_at_step_10)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(OSError, match=r"checkpoint of step 10: no space left under .*step-000010 \(0 MiB free\)") as e:
+        trainer(tmp_path).fit()
+    assert e.value.errno == errno.ENOSPC and "unexpected pos" in str(e.value.__cause__)
+    monkeypatch.setattr(ckpt, "write_state", real_write_state)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=10 * 2**30))
+    again = trainer(tmp_path).fit()
+    assert again.resumed_from == 5 and again.checkpoint.name == "step-000010"
+    assert not list(tmp_path.rglob(".tmp-*"))  # the half-written step is gone
+
+    monkeypatch.setattr(ckpt, "write_state", full_at_step_10)  # room left: the original error, unchanged
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        trainer(tmp_path / "roomy").fit()
+
+
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path):
     reference = trainer(tmp_path / "ref")
     reference.fit()

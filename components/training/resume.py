@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from components.io import explain_full_disk
 from components.training import checkpoint as ckpt
 from components.training import distributed as D
 
@@ -50,10 +51,11 @@ def save_trainer_checkpoint(trainer: "Trainer") -> Path:
     if trainer.is_rank0:
         ckpt.begin_checkpoint(trainer.ckpt_dir, trainer.step)
     D.barrier()
-    if trainer.is_rank0:
-        ckpt.write_model(tmp, trainer.raw_model)
-        ckpt.write_state(tmp, trainer_state(trainer))
-    ckpt.write_rng(tmp, trainer.rank)
+    with explain_full_disk(tmp, f"checkpoint of step {trainer.step}"):
+        if trainer.is_rank0:
+            ckpt.write_model(tmp, trainer.raw_model)
+            ckpt.write_state(tmp, trainer_state(trainer))
+        ckpt.write_rng(tmp, trainer.rank)
     D.barrier()
     final = trainer.ckpt_dir / ckpt.step_dirname(trainer.step)
     if trainer.is_rank0:
