@@ -134,7 +134,12 @@ def archive(ws: Path, seed: int, name: str = "small") -> Path:
                         for system, pq in rec["per_query"].items()}
     commit = subprocess.run(["git", "-C", str(ws), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rec.update(seed=seed, commit=commit, cpu=cpu_name())
-    dest = Path(str(ARCHIVE).format(name=name)) / f"seed{seed}.json.gz"
+    return write_archive(rec, name)
+
+
+def write_archive(rec: dict, name: str) -> Path:
+    """A seed's record -> experiments/results/<name>_seeds/seed<N>.json.gz, atomically."""
+    dest = Path(str(ARCHIVE).format(name=name)) / f"seed{rec['seed']}.json.gz"
     return write_bytes_atomic(dest, gzip.compress(json.dumps(rec).encode("utf-8")))
 
 
@@ -196,12 +201,7 @@ def merge_seed(base: dict, extra: dict, take: list[str], anchors: tuple[str, ...
 
 def merge_archives(pairs: list[tuple[Path, Path]], take: list[str], name: str) -> list[Path]:
     """`merge_seed` for each (base, extra) pair -> experiments/results/<name>_seeds/seed<N>.json.gz."""
-    out = []
-    for base, extra in pairs:
-        rec = merge_seed(load_seed(base), load_seed(extra), take)
-        dest = Path(str(ARCHIVE).format(name=name)) / f"seed{rec['seed']}.json.gz"
-        out.append(write_bytes_atomic(dest, gzip.compress(json.dumps(rec).encode("utf-8"))))
-    return out
+    return [write_archive(merge_seed(load_seed(base), load_seed(extra), take), name) for base, extra in pairs]
 
 
 def _commit_cell(s: dict) -> str:
