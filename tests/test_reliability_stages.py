@@ -12,9 +12,9 @@ Each test starts three stage processes (reference, victim, rerun), so both are m
 reference runs in the background while the victim is killed and rerun (2 cores, ~1-2 min each).
 The RetroMAE stage's version of this test is in test_reliability_training.py.
 
-REALM uses `realm.refresh_mode: sync` here: with the async default, which index version serves a
-step depends on how fast the background refresh finishes, so the loss sequence is not
-bit-reproducible across two runs (resumed or not). A resume at a checkpoint that is also a refresh
+REALM uses `realm.refresh_mode: sync` here (the default's; the tests' tiny preset runs async): with
+async, which index version serves a step depends on how fast the background refresh finishes, so
+the loss sequence is not bit-reproducible across two runs (resumed or not). A resume at a checkpoint that is also a refresh
 step rebuilds the index from the same weights the uninterrupted run refreshed from, so the sync
 run is exactly reproducible.
 """

@@ -377,3 +377,67 @@ def test_bf16_if_native_follows_the_cpu(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=T.__name__):
         assert T.resolve_precision("bf16", cpu) == "bf16"
     assert "compute.precision=bf16_if_native" in caplog.text
+
+
+class _MaskedBert(nn.Module):
+    """A tiny HF BertForMaskedLM as a Trainer model ({"loss"} from input_ids / labels), with dropout."""
+
+    def __init__(self, attention_dropout: float, hidden_dropout: float = 0.0):
+        super().__init__()
+        from transformers import BertForMaskedLM
+
+        from components.models.realm import tiny_bert_config
+
+        cfg = tiny_bert_config(vocab_size=64, max_position=32)
+        cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob = attention_dropout, hidden_dropout
+        cfg._attn_implementation = "sdpa"
+        self.mlm = BertForMaskedLM(cfg)
+
+    def forward(self, batch: dict) -> dict:
+        return {"loss": self.mlm(input_ids=batch["input_ids"], labels=batch["labels"]).loss}
+
+
+def _attention_ps(model: nn.Module) -> list[float]:
+    return [m.dropout.p for m in model.modules() if type(m).__name__.endswith("SelfAttention")]
+
+
+def test_set_attention_dropout_sets_the_attention_layers_and_leaves_hidden_dropout():
+    from components.models.encoder import set_attention_dropout
+
+    model = _MaskedBert(attention_dropout=0.1, hidden_dropout=0.1)
+    hidden = [m.p for n, m in model.named_modules() if isinstance(m, nn.Dropout) and not n.endswith("attention.self.dropout")]
+    assert set_attention_dropout(model, 0.0) == 1 and _attention_ps(model) == [0.0]
+    assert [m.p for n, m in model.named_modules() if isinstance(m, nn.Dropout) and not n.endswith("attention.self.dropout")] == hidden
+    # the p SDPA reads in training is the one set: with no other dropout, a training-mode forward differs
+    # from the eval-mode one before, and equals it after
+    torch.manual_seed(0)
+    model = _MaskedBert(attention_dropout=0.5)
+    batch = {"input_ids": torch.randint(5, 64, (2, 12)), "labels": torch.randint(5, 64, (2, 12))}
+    eval_loss = model.eval()(batch)["loss"]
+    assert not torch.allclose(model.train()(batch)["loss"], eval_loss)
+    set_attention_dropout(model, 0.0)
+    torch.testing.assert_close(model.train()(batch)["loss"], eval_loss)
+
+
+def test_set_attention_dropout_reaches_the_retromae_decoder():
+    from components.models.encoder import set_attention_dropout
+
+    layers = [type("DecoderLayer", (nn.Module,), {})() for _ in range(2)]
+    for layer in layers:
+        layer.attn_dropout = 0.1
+    assert set_attention_dropout(nn.ModuleList(layers), 0.0) == 2 and [x.attn_dropout for x in layers] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("attention_dropout", [None, 0.0, 0.2])
+def test_compute_attention_dropout_is_what_the_trainer_trains_with(tmp_path, attention_dropout):
+    model = _MaskedBert(attention_dropout=0.1)
+    compute = ComputeParams(device="cpu", seed=1234, precision="fp32", attention_dropout=attention_dropout)
+    rows = [{"input_ids": torch.randint(5, 64, (12,)).tolist()} for _ in range(16)]
+
+    def collate(batch, generator=None):
+        ids = torch.tensor([r["input_ids"] for r in batch])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    trainer = Trainer(model, rows, collate, tp(max_steps=1), compute, tmp_path, progress=False)
+    assert _attention_ps(trainer.raw_model) == [0.1 if attention_dropout is None else attention_dropout]
+    trainer.fit()

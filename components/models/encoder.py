@@ -180,6 +180,21 @@ def load_encoder(path: str | os.PathLike, dropout: float | None = None) -> nn.Mo
     return model
 
 
+def set_attention_dropout(model: nn.Module, p: float) -> int:
+    """Set the dropout on attention probabilities of every attention layer in `model`: the `dropout` of
+    each HF *SelfAttention (SDPA reads its p as dropout_p in training) and the RetroMAE decoder's
+    `attn_dropout`. Hidden-state dropout is untouched. Returns how many layers were set."""
+    n = 0
+    for m in model.modules():
+        if type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "dropout", None), nn.Dropout):
+            m.dropout.p = p
+            n += 1
+        elif isinstance(getattr(m, "attn_dropout", None), float):
+            m.attn_dropout = p
+            n += 1
+    return n
+
+
 def cls_pool(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last-layer [CLS] state (B, H) of a bare encoder or a *ForMaskedLM (its body). Token types are
     all 0: every input here is one segment."""

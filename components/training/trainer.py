@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 from components.config_shared import ComputeParams, TrainParams
+from components.models.encoder import set_attention_dropout
 from components.progress import PROGRESS_EVERY_S, progress_line
 from components.training import checkpoint as ckpt
 from components.training import distributed as D
@@ -135,6 +136,10 @@ class Trainer:
         )
 
         self.raw_model = model.to(self.device)
+        if compute.attention_dropout is not None:  # before DDP wraps it: every rank trains the same graph
+            n = set_attention_dropout(self.raw_model, compute.attention_dropout)
+            if self.rank == 0:
+                log.info("%s: compute.attention_dropout=%s on %d attention layers", param_prefix, compute.attention_dropout, n)
         self.model: nn.Module = self.raw_model
         if self.world_size > 1:
             self.model = DDP(
