@@ -7,6 +7,8 @@ the whole pipeline once per seed, then every paper comparison per seed and poole
     python -m experiments.small_seeds --name small_curve --set 'finetune.retrieval_inits=[init,mlm,retromae]' ...  # a variant, archived apart
     python -m experiments.small_seeds --name small_curve_realm --upto finetune_retriever --set ...  # part of the DAG, then evaluate
     python -m experiments.small_seeds --name small_curve --take 'ft:realm*' --merge BASE0 EXTRA0 --merge BASE1 EXTRA1  # one seed, two runs
+    python -m experiments.small_seeds --preset default --name default_ad0 --split dev --set compute.attention_dropout=0 \
+        --against experiments/results/default_dev_base_seeds/seed1.json.gz ...   # a recipe against a baseline's archives
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
 never touched and every run is the committed code: `python -m flows.pipeline --preset small --set
@@ -29,6 +31,10 @@ the commit and the CPU. `--collect` takes archives or workspaces, so seeds run i
 or on different machines pool into one table; a seed without per-query scores (an archive written
 by hand from a run whose workspace was lost: `"per_query": null`, its own `comparisons`) gives its
 per-seed tests, and the pooled test is left out.
+
+`--against BASELINE...` compares this recipe with another one's archives (same seeds, same split), which
+is how a shorter recipe is chosen: every system both scored, this minus the baseline per metric, paired
+over the (seed, query) pairs, and each stage's time against the baseline's.
 
 Writes experiments/results/<name>_seeds.json, the curve averaged over seeds as
 experiments/results/<name>_seeds/label_efficiency.{png,csv} (when the seeds recorded their curve points), and prints Markdown for docs/results.md: per-seed rows,
@@ -304,6 +310,68 @@ def collect(sources: list[Path]) -> dict:
             "comparisons": comparisons, "label_efficiency": mean_curve(seeds)}
 
 
+def against(sources: list[dict], baselines: list[dict]) -> dict:
+    """This recipe's seeds against a baseline recipe's: per system both scored and per metric, the delta
+    (this - baseline) and the paired test over the (seed, query) pairs of the seeds both ran; per stage,
+    the mean seconds of each. Seeds are matched by number and must be on the same split with per-query
+    scores (a ValueError that names the seed otherwise)."""
+    base = {rec.get("seed"): rec for rec in baselines}
+    pairs = []
+    for rec in sources:
+        other = base.get(rec.get("seed"))
+        where = f"seed {rec.get('seed')} ({rec.get('commit') or rec.get('workspace')})"
+        if other is None:
+            raise ValueError(f"--against: no baseline archive for {where}; the baseline has seeds {sorted(base, key=str)}")
+        if rec.get("split") != other.get("split"):
+            raise ValueError(f"--against: {where} is on the {rec.get('split')} split, its baseline on {other.get('split')}")
+        if rec.get("per_query") is None or other.get("per_query") is None:
+            raise ValueError(f"--against: {where} and its baseline both need per-query scores")
+        pairs.append((rec, other))
+    if not pairs:
+        raise ValueError("--against: no seeds to compare")
+    systems = [n for n in pairs[0][0]["per_query"] if all(n in r["per_query"] and n in o["per_query"] for r, o in pairs)]
+    rows = []
+    for system in sorted(systems, key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n)):
+        for metric in ROW_METRICS:
+            a, b = {}, {}
+            for rec, other in pairs:
+                mine, theirs = (per_query_metric(r["per_query"][system], metric) for r in (rec, other))
+                if not mine or not theirs:
+                    continue
+                a.update({f"{rec['seed']}/{q}": v for q, v in mine.items()})
+                b.update({f"{rec['seed']}/{q}": v for q, v in theirs.items()})
+            if a and b:
+                r = paired_test(a, b)
+                rows.append({"system": system, "metric": metric, "this": sum(a.values()) / len(a),
+                             "baseline": sum(b.values()) / len(b), "delta": r.delta, "p": r.p_value, "n": r.n})
+
+    def mean_seconds(recs: list[dict], stage: str | None) -> float | None:
+        vals = [r.get("wall_seconds") if stage is None else (r.get("stage_seconds") or {}).get(stage) for r in recs]
+        vals = [v for v in vals if v is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    times = [{"stage": st, "this": mean_seconds([r for r, _ in pairs], st), "baseline": mean_seconds([o for _, o in pairs], st)}
+             for st in (*STAGES, None)]
+    return {"seeds": [r["seed"] for r, _ in pairs], "baseline_commits": sorted({o.get("commit") or "-" for _, o in pairs}),
+            "rows": rows, "seconds": times}
+
+
+def against_markdown(res: dict) -> list[str]:
+    """The --against section: this recipe minus the baseline per system, and the stage times side by side."""
+    lines = ["", f"Against the baseline ({', '.join(res['baseline_commits'])}; seeds {', '.join(map(str, res['seeds']))}): "
+             "this - baseline, paired over every (seed, query) pair:", "",
+             "| System | Metric | This | Baseline | Delta | p | n |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['system']} | {r['metric']} | {r['this']:.3f} | {r['baseline']:.3f} | {r['delta']:+.3f} | {r['p']:.4f} | {r['n']} |"
+              for r in res["rows"]]
+    lines += ["", "| Stage (mean seconds) | This | Baseline | This / baseline |", "|---|---:|---:|---:|"]
+    for t in res["seconds"]:
+        this, base = t["this"], t["baseline"]
+        ratio = f"{this / base:.2f}" if this is not None and base else "-"
+        lines.append(f"| {t['stage'] or '**pipeline (wall)**'} | {'-' if this is None else f'{this:.1f}'} | "
+                     f"{'-' if base is None else f'{base:.1f}'} | {ratio} |")
+    return lines
+
+
 def markdown(res: dict) -> str:
     seeds = res["seeds"]
     names = sorted(seeds[0]["rows"], key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n))
@@ -335,6 +403,8 @@ def markdown(res: dict) -> str:
     for st in STAGES:
         lines.append(f"| {st} | " + " | ".join(str(s["stage_seconds"].get(st, "-")) for s in seeds) + " |")
     lines.append("| **pipeline (wall)** | " + " | ".join("-" if s["wall_seconds"] is None else str(s["wall_seconds"]) for s in seeds) + " |")
+    if res.get("against"):
+        lines += against_markdown(res["against"])
     return "\n".join(lines)
 
 
@@ -352,6 +422,8 @@ def main() -> None:
     ap.add_argument("--merge", type=Path, nargs=2, action="append", metavar=("BASE", "EXTRA"),
                     help="one seed's archive from two runs: BASE plus EXTRA's --take systems (repeatable, one per seed)")
     ap.add_argument("--take", nargs="+", default=["ft:realm*"], help="the systems --merge adds (globs)")
+    ap.add_argument("--against", type=Path, nargs="+", metavar="BASELINE",
+                    help="another recipe's archives (the same seeds and split): this minus it per system, paired, and the stage times")
     args = ap.parse_args()
     name = args.name or args.preset
     workdir = args.workdir or Path(f"/tmp/{name}_seeds")
@@ -361,6 +433,8 @@ def main() -> None:
         sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset, tuple(args.overrides), args.upto), s, name)
                                    for s in args.seeds]
     res = collect(sources)
+    if args.against:
+        res["against"] = against([load_seed(src) for src in sources], [load_seed(b) for b in args.against])
     write_text_atomic(str(RESULTS).format(name=name), json.dumps(res, indent=1))
     if res["label_efficiency"]:  # the curve over seeds: what docs/results.md shows
         write_plots(Path(str(ARCHIVE).format(name=name)), label_efficiency=res["label_efficiency"])

@@ -160,3 +160,44 @@ def test_the_realm_line_is_tested_against_retromae_at_each_size_it_has(tmp_path,
     c = next(c for c in res["comparisons"] if (c["a"], c["metric"]) == ("ft:realm@8", "ndcg_at_10"))
     assert c["pooled"]["delta"] == pytest.approx(-0.1)  # ft:realm@8 is `shift` below the first system
     assert "| ft:realm@8 | ft:retromae@8 | ndcg_at_10 |" in small_seeds.markdown(res)
+
+
+def test_a_recipe_is_compared_with_a_baseline_recipe_seed_by_seed(tmp_path, archive_dir):
+    """--against: each system of this recipe minus the same system of the baseline, paired over the
+    (seed, query) pairs of matching seeds, and the stage times side by side."""
+    def rec(seed: int, shift: float, wall: float) -> dict:
+        r = small_seeds.load_seed(_workspace(tmp_path, f"r{seed}_{shift}", shift))
+        return {**r, "seed": seed, "wall_seconds": wall}
+
+    this, base = [rec(0, 0.1, 100.0), rec(1, 0.1, 110.0)], [rec(1, 0.0, 200.0), rec(0, 0.0, 190.0)]
+    res = small_seeds.against(this, base)
+    assert res["seeds"] == [0, 1]
+    mlm = next(r for r in res["rows"] if (r["system"], r["metric"]) == ("mlm", "ndcg_at_10"))
+    want = paired_test({f"{s}/q{j}": v - 0.1 for s in (0, 1) for j, v in enumerate([0.5, 0.6, 0.4, 0.3, 0.2])},
+                       {f"{s}/q{j}": v for s in (0, 1) for j, v in enumerate([0.5, 0.6, 0.4, 0.3, 0.2])})
+    assert mlm["delta"] == pytest.approx(-0.1) and mlm["p"] == want.p_value and mlm["n"] == 10
+    retromae = next(r for r in res["rows"] if (r["system"], r["metric"]) == ("retromae", "ndcg_at_10"))
+    assert retromae["delta"] == 0.0  # the first system is not shifted
+    wall = next(t for t in res["seconds"] if t["stage"] is None)
+    assert (wall["this"], wall["baseline"]) == (105.0, 195.0)
+    text = "\n".join(small_seeds.against_markdown(res))
+    assert "| mlm | ndcg_at_10 |" in text and "| **pipeline (wall)** | 105.0 | 195.0 | 0.54 |" in text
+
+    with pytest.raises(ValueError, match="no baseline archive for seed 1"):
+        small_seeds.against(this, base[1:])
+    with pytest.raises(ValueError, match="seed 0 .* its baseline on dev"):
+        small_seeds.against(this[:1], [{**base[1], "split": "dev"}])
+
+
+def test_the_command_line_compares_archives_against_a_baseline(tmp_path, archive_dir, monkeypatch, capsys):
+    monkeypatch.setattr(small_seeds, "RESULTS", tmp_path / "{name}_seeds.json")
+    paths = {}
+    for name, shift in (("this", 0.1), ("base", 0.0)):
+        monkeypatch.setattr(small_seeds, "ARCHIVE", tmp_path / name)
+        paths[name] = [small_seeds.archive(_workspace(tmp_path, f"{name}{s}", shift), s, name) for s in (0, 1)]
+    monkeypatch.setattr("sys.argv", ["small_seeds", "--name", "this", "--collect", *map(str, paths["this"]),
+                                     "--against", *map(str, paths["base"])])
+    small_seeds.main()
+    res = json.loads((tmp_path / "this_seeds.json").read_text())
+    assert res["against"]["seeds"] == [0, 1] and {r["system"] for r in res["against"]["rows"]} == {"retromae", "mlm"}
+    assert "Against the baseline" in capsys.readouterr().out
