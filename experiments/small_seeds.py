@@ -7,8 +7,8 @@ the whole pipeline once per seed, then every paper comparison per seed and poole
     python -m experiments.small_seeds --name small_curve --set 'finetune.retrieval_inits=[init,mlm,retromae]' ...  # a variant, archived apart
     python -m experiments.small_seeds --name small_curve_realm --upto finetune_retriever --set ...  # part of the DAG, then evaluate
     python -m experiments.small_seeds --name small_curve --take 'ft:realm*' --merge BASE0 EXTRA0 --merge BASE1 EXTRA1  # one seed, two runs
-    python -m experiments.small_seeds --preset default --name default_ad0 --split dev --set compute.attention_dropout=0 \
-        --against experiments/results/default_dev_base_seeds/seed1.json.gz ...   # a recipe against a baseline's archives
+    python -m experiments.small_seeds --preset default --name default_ad0_dev --seeds 1 2 --split dev --set compute.attention_dropout=0 \
+        --against experiments/results/default_dev_xeon_seeds/seed{1,2}.json.gz   # a recipe against a baseline's archives
 
 Each seed runs in its own clone of this commit (`git clone`, the venv linked), so the checkout is
 never touched and every run is the committed code: `python -m flows.pipeline --preset small --set
@@ -427,6 +427,11 @@ def main() -> None:
     args = ap.parse_args()
     name = args.name or args.preset
     workdir = args.workdir or Path(f"/tmp/{name}_seeds")
+    baselines = [load_seed(b) for b in args.against or []]
+    if baselines and not (args.merge or args.collect):  # refuse before hours of runs, not after
+        have = {(b.get("seed"), b.get("split")) for b in baselines}
+        if missing := [s for s in args.seeds if (s, args.split) not in have]:
+            ap.error(f"--against: the baseline archives have no {args.split}-split run of seed(s) {missing} (they have {sorted(have, key=str)})")
     if args.merge:
         sources = merge_archives([tuple(p) for p in args.merge], args.take, name)
     else:
@@ -434,7 +439,7 @@ def main() -> None:
                                    for s in args.seeds]
     res = collect(sources)
     if args.against:
-        res["against"] = against([load_seed(src) for src in sources], [load_seed(b) for b in args.against])
+        res["against"] = against([load_seed(src) for src in sources], baselines)
     write_text_atomic(str(RESULTS).format(name=name), json.dumps(res, indent=1))
     if res["label_efficiency"]:  # the curve over seeds: what docs/results.md shows
         write_plots(Path(str(ARCHIVE).format(name=name)), label_efficiency=res["label_efficiency"])

@@ -201,3 +201,12 @@ def test_the_command_line_compares_archives_against_a_baseline(tmp_path, archive
     res = json.loads((tmp_path / "this_seeds.json").read_text())
     assert res["against"]["seeds"] == [0, 1] and {r["system"] for r in res["against"]["rows"]} == {"retromae", "mlm"}
     assert "Against the baseline" in capsys.readouterr().out
+
+
+def test_a_run_against_a_baseline_without_its_seeds_is_refused_before_it_starts(tmp_path, archive_dir, monkeypatch, capsys):
+    base = small_seeds.archive(_workspace(tmp_path, "base1", 0.0), 1, "base")  # a test-split run of seed 1
+    monkeypatch.setattr(small_seeds, "run_seed", lambda *a, **k: pytest.fail("ran a seed"))
+    monkeypatch.setattr("sys.argv", ["small_seeds", "--seeds", "1", "2", "--split", "dev", "--against", str(base)])
+    with pytest.raises(SystemExit):
+        small_seeds.main()
+    assert "no dev-split run of seed(s) [1, 2]" in capsys.readouterr().err
