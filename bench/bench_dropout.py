@@ -9,7 +9,7 @@ Why it matters on a CPU: a dropout mask is one `bernoulli_` draw per element, an
 probabilities are (rows, heads, L, L): at 304 tokens that is ~20x the hidden states. With dropout on
 them, `scaled_dot_product_attention` also leaves its fused CPU kernel for the math path (bmm, softmax,
 mask) that writes every (L, L) matrix. Nothing here changes a preset: turning a dropout off is a recipe
-change, to be measured for quality on a dev split before any preset uses it. `--profile` prints the
+change, and on the dev split it cost REALM and the 32-question fine-tunes (bench/README.md, "Dropout on a CPU"). `--profile` prints the
 top operators of one "as is" step (torch.profiler), where `aten::bernoulli_` shows what the masks cost.
 
 The models and batches are `bench.bench_mfu`'s (the stages' models, shapes from `--preset`); REALM's
@@ -46,13 +46,14 @@ MICRO_BATCH_DIV = {"realm": "batch_size", "biencoder": 1, "retromae": 1}
 def set_dropout(module: torch.nn.Module, variant: str) -> int:
     """Zero the dropouts `variant` turns off; returns how many layers or modules changed. The attention
     variant is what `compute.attention_dropout: 0` does to every model a Trainer trains."""
-    if variant == "no attention-prob dropout":
-        return set_attention_dropout(module, 0.0)
-    changed = set_attention_dropout(module, 0.0) if variant == "no dropout" else 0
-    for m in module.modules():
-        if variant == "no dropout" and isinstance(m, torch.nn.Dropout) and m.p > 0:
-            m.p = 0.0
-            changed += 1
+    if variant == "as is":
+        return 0
+    changed = set_attention_dropout(module, 0.0)
+    if variant == "no dropout":
+        for m in module.modules():
+            if isinstance(m, torch.nn.Dropout) and m.p > 0:
+                m.p = 0.0
+                changed += 1
     return changed
 
 

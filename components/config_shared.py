@@ -47,8 +47,9 @@ class ComputeParams(Section):
     attention_dropout: float | None = Field(ge=0.0, lt=1.0, description="the dropout on attention probabilities in "
                                             "every training step; null: each model's own (MiniLM's 0.1). 0 keeps SDPA "
                                             "on its fused CPU kernel and draws no (rows, heads, L, L) mask: REALM and "
-                                            "DPR steps 1.5-1.8x faster on 2 CPU cores (bench/bench_dropout.py). A recipe "
-                                            "change whose quality is not measured yet")
+                                            "DPR steps 1.5-1.8x faster on 2 CPU cores (bench/bench_dropout.py), but on the "
+                                            "default's dev split REALM and the 32-question fine-tunes lost to it "
+                                            "(bench/README.md, 'Dropout on a CPU')")
     malloc_trim_every: int = Field(ge=0, description="under glibc's malloc (no allocator preloaded: scripts/py "
                                    "preloads mimalloc), return its heap's free pages every N training steps, so RSS "
                                    "stays flat under varying batch shapes; 0 = never (components/training/memory.py)")

@@ -76,6 +76,11 @@ ROW_ORDER = ("bm25", "warm-start:mean", "init", "retromae", "mlm", "realm", "rea
              "ft:realm", "qa:closed-book", "qa:bm25", "qa:realm", "qa:realm-stale")
 
 
+def _row_key(name: str) -> tuple:
+    """Tables list systems in ROW_ORDER, then the rest (curve points, extra rows) by name."""
+    return (ROW_ORDER.index(name) if name in ROW_ORDER else len(ROW_ORDER), name)
+
+
 def run_seed(seed: int, split: str, workdir: Path, preset: str = "small", overrides: tuple[str, ...] = (),
              upto: str | None = None) -> Path:
     """Clone HEAD into workdir/seed<N> and run the preset there (`default`: params.yaml as it is) with
@@ -275,10 +280,11 @@ def realm_line_comparisons(seeds: list[dict]) -> list[Comparison]:
             for tail in ("", *(f"@{n}" for n in curve_sizes(seeds))) if {f"ft:realm{tail}", f"ft:retromae{tail}"} <= names]
 
 
-def collect(sources: list[Path]) -> dict:
+def collect(sources: list[Path | dict]) -> dict:
     """Every paper comparison per seed, and pooled over the (seed, query) pairs of the seeds whose
-    per-query scores were kept (at least two; a summary without them gives its own test only)."""
-    seeds = [load_seed(src) for src in sources]
+    per-query scores were kept (at least two; a summary without them gives its own test only).
+    `sources`: archives or workspaces, or records `load_seed` already read."""
+    seeds = [src if isinstance(src, dict) else load_seed(src) for src in sources]
     comparisons = []
     for c in [*paper_comparisons("retromae", curve_sizes(seeds)), *realm_line_comparisons(seeds)]:
         for metric in c.metrics:
@@ -331,7 +337,7 @@ def against(sources: list[dict], baselines: list[dict]) -> dict:
         raise ValueError("--against: no seeds to compare")
     systems = [n for n in pairs[0][0]["per_query"] if all(n in r["per_query"] and n in o["per_query"] for r, o in pairs)]
     rows = []
-    for system in sorted(systems, key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n)):
+    for system in sorted(systems, key=_row_key):
         for metric in ROW_METRICS:
             a, b = {}, {}
             for rec, other in pairs:
@@ -374,7 +380,7 @@ def against_markdown(res: dict) -> list[str]:
 
 def markdown(res: dict) -> str:
     seeds = res["seeds"]
-    names = sorted(seeds[0]["rows"], key=lambda n: (ROW_ORDER.index(n) if n in ROW_ORDER else len(ROW_ORDER), n))
+    names = sorted(seeds[0]["rows"], key=_row_key)
     lines = [f"Split: {seeds[0]['split']}; {len(seeds)} seeds. Mean over seeds (per-seed values in brackets).", "",
              "| Seed | Commit | CPU | Wall |", "|---|---|---|---:|",
              *(f"| {_seed_label(s, i)} | {_commit_cell(s)} | {s.get('cpu') or '-'} | {'-' if s.get('wall_seconds') is None else format_duration(s['wall_seconds'])} |" for i, s in enumerate(seeds)),
@@ -437,9 +443,10 @@ def main() -> None:
     else:
         sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset, tuple(args.overrides), args.upto), s, name)
                                    for s in args.seeds]
-    res = collect(sources)
-    if args.against:
-        res["against"] = against([load_seed(src) for src in sources], baselines)
+    records = [load_seed(src) for src in sources]  # once: a workspace's stage times come from its MLflow store
+    res = collect(records)
+    if baselines:
+        res["against"] = against(records, baselines)
     write_text_atomic(str(RESULTS).format(name=name), json.dumps(res, indent=1))
     if res["label_efficiency"]:  # the curve over seeds: what docs/results.md shows
         write_plots(Path(str(ARCHIVE).format(name=name)), label_efficiency=res["label_efficiency"])
