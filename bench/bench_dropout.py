@@ -36,9 +36,10 @@ from components.data.realm_batch import SpecialTokens  # noqa: E402
 from components.data.tokenize import load_tokenizer  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 from components.models.encoder import set_attention_dropout, warm_start_path  # noqa: E402
+from components.models.ops.dropout import use_fast_dropout  # noqa: E402
 from components.training.precision import cpu_has_native_bf16  # noqa: E402
 
-VARIANTS = ("as is", "no attention-prob dropout", "no dropout")
+VARIANTS = ("as is", "fast masks", "no attention-prob dropout", "no dropout")
 # a micro-batch as the stages train it: REALM one query (its top_k rows), the others their whole batch
 MICRO_BATCH_DIV = {"realm": "batch_size", "biencoder": 1, "retromae": 1}
 
@@ -48,6 +49,8 @@ def set_dropout(module: torch.nn.Module, variant: str) -> int:
     variant is what `compute.attention_dropout: 0` does to every model a Trainer trains."""
     if variant == "as is":
         return 0
+    if variant == "fast masks":  # every dropout kept, its masks drawn as `compute.dropout_masks: fast` draws them
+        return use_fast_dropout(module)
     changed = set_attention_dropout(module, 0.0)
     if variant == "no dropout":
         for m in module.modules():

@@ -50,6 +50,11 @@ class ComputeParams(Section):
                                             "DPR steps 1.5-1.8x faster on 2 CPU cores (bench/bench_dropout.py), but on the "
                                             "default's dev split REALM and the 32-question fine-tunes lost to it "
                                             "(bench/README.md, 'Dropout on a CPU')")
+    dropout_masks: Literal["auto", "torch", "fast"] = Field(
+        description="how training draws dropout masks: torch (F.dropout's, and SDPA's: a bernoulli_ per element), "
+        "fast (16 random bits per element from torch's generator, the same inverted dropout with p rounded to "
+        "1/65536: components/models/ops/dropout.py), auto: fast on a CPU, where torch's masks were over half of "
+        "a REALM / DPR step (bench/bench_dropout.py), torch on CUDA")
     malloc_trim_every: int = Field(ge=0, description="under glibc's malloc (no allocator preloaded: scripts/py "
                                    "preloads mimalloc), return its heap's free pages every N training steps, so RSS "
                                    "stays flat under varying batch shapes; 0 = never (components/training/memory.py)")

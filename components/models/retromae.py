@@ -44,6 +44,7 @@ from components.data.masking import decoder_mask_pool, decoder_row_choice, posit
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.models.encoder import build_encoder, cls_pool, mlm_head
 from components.models.ops.bert_last_layer import encode_for_losses, predicted_positions
+from components.models.ops.dropout import attention, is_fast
 from components.models.ops.fused_ce import head_token_losses, token_losses
 
 
@@ -98,9 +99,8 @@ class EnhancedDecoderLayer(nn.Module):
         B, L, H = h1.shape
         q = self._heads(self.query(h1) if query is None else query)
         k, v = self._heads(self.key(h2)), self._heads(self.value(h2))
-        ctx = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible[:, None], dropout_p=self.attn_dropout if self.training else 0.0
-        )  # (B, nh, L, hd); the mask broadcasts over heads
+        ctx = attention(q, k, v, visible[:, None], dropout_p=self.attn_dropout if self.training else 0.0,
+                        fast=is_fast(self))  # (B, nh, L, hd); the mask broadcasts over heads
         ctx = ctx.transpose(1, 2).reshape(B * L, H)  # (B*L, H)
         h1 = h1.reshape(B * L, H)
         if rows is not None:

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 
 from components.config_shared import ComputeParams, TrainParams
 from components.models.encoder import set_attention_dropout
+from components.models.ops.dropout import fast_dropout_masks, use_fast_dropout
 from components.progress import PROGRESS_EVERY_S, progress_line
 from components.training import checkpoint as ckpt
 from components.training import distributed as D
@@ -140,6 +141,11 @@ class Trainer:
             n = set_attention_dropout(self.raw_model, compute.attention_dropout)
             if self.rank == 0:
                 log.info("%s: compute.attention_dropout=%s on %d attention layers", param_prefix, compute.attention_dropout, n)
+        if fast_dropout_masks(compute.dropout_masks, self.device):  # before DDP too: a module swap, no new parameters
+            n = use_fast_dropout(self.raw_model)
+            if self.rank == 0:
+                log.info("%s: compute.dropout_masks=%s: %d dropout modules draw fast masks", param_prefix,
+                         compute.dropout_masks, n)
         self.model: nn.Module = self.raw_model
         if self.world_size > 1:
             self.model = DDP(

@@ -13,12 +13,12 @@ Shapes: B batch, L sequence length, H hidden, K outputs per row ([CLS] + the row
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import BertModel, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask
 
 from components.data.special_tokens import IGNORE_INDEX
+from components.models.ops.dropout import attention, is_fast
 
 
 def predicted_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -62,8 +62,8 @@ def _bert_layer_at(layer: nn.Module, x: torch.Tensor, slots: torch.Tensor, key_m
     q = att.query(xs).view(B, K, nh, hd).transpose(1, 2)  # (B, nh, K, hd)
     k = att.key(x).view(B, L, nh, hd).transpose(1, 2)  # (B, nh, L, hd)
     v = att.value(x).view(B, L, nh, hd).transpose(1, 2)
-    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=att.scaling,
-                                         dropout_p=att.dropout.p if att.training else 0.0)  # (B, nh, K, hd)
+    ctx = attention(q, k, v, key_mask, dropout_p=att.dropout.p if att.training else 0.0, scale=att.scaling,
+                    fast=is_fast(att))  # (B, nh, K, hd)
     a = layer.attention.output(ctx.transpose(1, 2).reshape(B, K, H), xs)  # dense, dropout, LayerNorm(+ xs)
     return layer.output(layer.intermediate(a), a)  # (B, K, H)
 
