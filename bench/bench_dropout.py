@@ -1,6 +1,8 @@
-"""What dropout costs a CPU training step, at the presets' shapes: each model's step as it trains
-(MiniLM's dropout 0.1 everywhere) against the same step with the attention-probability dropout off,
-and with every dropout off; interleaved rounds, medians, ratios against "as is".
+"""What dropout costs a CPU training step, at the presets' shapes: each model's step with torch's own
+dropout masks (MiniLM's dropout 0.1 everywhere, `compute.dropout_masks: torch`) against the same step
+with the fast masks (`fast`, what `auto` trains with on a CPU: the same dropout, components/models/ops/
+dropout.py), with the attention-probability dropout off, and with every dropout off; interleaved
+rounds, medians, ratios against "as is".
 
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.bench_dropout              # -> bench/results/dropout.json
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.bench_dropout --models realm --rounds 3 --profile
@@ -8,9 +10,10 @@ and with every dropout off; interleaved rounds, medians, ratios against "as is".
 Why it matters on a CPU: a dropout mask is one `bernoulli_` draw per element, and the attention
 probabilities are (rows, heads, L, L): at 304 tokens that is ~20x the hidden states. With dropout on
 them, `scaled_dot_product_attention` also leaves its fused CPU kernel for the math path (bmm, softmax,
-mask) that writes every (L, L) matrix. Nothing here changes a preset: turning a dropout off is a recipe
-change, and on the dev split it cost REALM and the 32-question fine-tunes (bench/README.md, "Dropout on a CPU"). `--profile` prints the
-top operators of one "as is" step (torch.profiler), where `aten::bernoulli_` shows what the masks cost.
+mask) that writes every (L, L) matrix. Turning a dropout off is a recipe change, and on the dev split it
+cost REALM and the 32-question fine-tunes (bench/README.md, "Dropout on a CPU"); the fast masks keep
+every dropout. `--profile` prints the top operators of one "as is" and one "fast masks" step
+(torch.profiler), where `aten::bernoulli_` shows what torch's masks cost.
 
 The models and batches are `bench.bench_mfu`'s (the stages' models, shapes from `--preset`); REALM's
 step is one query and its top_k candidates, the micro-batch the stages train on.
@@ -100,17 +103,19 @@ def main(argv: list[str] | None = None) -> dict:
                 times[v].append(time.perf_counter() - t0)
         base = statistics.median(times["as is"])
         rows = {v: {"s_per_step": round(statistics.median(ts), 4), "speedup_vs_as_is": round(base / statistics.median(ts), 3),
-                    "dropout_modules_off": arms[v][1], "rounds": [round(t, 4) for t in ts]} for v, ts in times.items()}
+                    "modules_changed": arms[v][1], "rounds": [round(t, 4) for t in ts]} for v, ts in times.items()}
         result["models"][model_name] = {"shape": arms["as is"][0].shape, "variants": rows}
         print(f"{model_name} ({arms['as is'][0].shape}):")
         for v, r in rows.items():
-            print(f"  {v:<28} {r['s_per_step']:.3f} s/step  x{r['speedup_vs_as_is']:.2f}  ({r['dropout_modules_off']} modules off)")
+            print(f"  {v:<28} {r['s_per_step']:.3f} s/step  x{r['speedup_vs_as_is']:.2f}  ({r['modules_changed']} modules changed)")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                train_step(arms["as is"][0], args.precision)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+            for v in ("as is", "fast masks"):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    train_step(arms[v][0], args.precision)
+                print(f"{model_name}, {v}:")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
     return result
