@@ -53,8 +53,8 @@ class ComputeParams(Section):
     dropout_masks: Literal["auto", "torch", "fast"] = Field(
         description="how training draws dropout masks: torch (F.dropout's, and SDPA's: a bernoulli_ per element), "
         "fast (16 random bits per element from torch's generator, the same inverted dropout with p rounded to "
-        "1/65536: components/models/ops/dropout.py), auto: fast on a CPU, where torch's masks were over half of "
-        "a REALM / DPR step (bench/bench_dropout.py), torch on CUDA")
+        "1/65536: components/models/ops/dropout.py), auto: fast on a CPU, where torch's masks were ~30% of a "
+        "REALM / DPR step (bench/bench_dropout.py), torch on CUDA, whose fused dropout is cheap")
     malloc_trim_every: int = Field(ge=0, description="under glibc's malloc (no allocator preloaded: scripts/py "
                                    "preloads mimalloc), return its heap's free pages every N training steps, so RSS "
                                    "stays flat under varying batch shapes; 0 = never (components/training/memory.py)")

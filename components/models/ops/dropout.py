@@ -8,9 +8,9 @@
 
 Why: on a CPU, `F.dropout`'s per-element Bernoulli draw costs ~20x a softmax over the same tensor,
 and MiniLM's attention-probability dropout is applied to (rows, heads, L, L) tensors, so the masks
-were a fifth to a quarter of a REALM or DPR training step (bench/bench_dropout.py). 64-bit
+were 28-32% of a REALM or DPR training step (bench/bench_dropout.py, bench/README.md). 64-bit
 `randint` words split into four 16-bit fields give every element its own uniform draw at a
-quarter of the generator calls. p is rounded to a multiple of 1/65536 (0.1 -> 0.099991) and the
+quarter of the generator calls. p is rounded to a multiple of 1/65536 (0.1 -> 0.100006) and the
 kept elements are scaled by the exact inverse of the realised keep rate, so E[y] = x still holds.
 
 With dropout on, SDPA takes its math path on a CPU (its fused kernel has no dropout); `attention`
