@@ -13,6 +13,7 @@ from torch import nn
 from components.config_shared import ComputeParams, TrainParams
 from components.models.ops import dropout as D
 from components.training.trainer import Trainer
+from tests.test_trainer import _MaskedBert
 
 
 def test_keep_threshold_rounds_p_to_a_multiple_of_2_to_the_minus_16():
@@ -111,15 +112,9 @@ def _count_dropouts(monkeypatch) -> list[tuple[int, ...]]:
 
 
 def _tiny_bert(p: float):
-    from transformers import BertForMaskedLM
-
-    from components.models.realm import tiny_bert_config
-
-    cfg = tiny_bert_config(vocab_size=64, max_position=32)
-    cfg.attention_probs_dropout_prob = cfg.hidden_dropout_prob = p
-    cfg._attn_implementation = "sdpa"
+    """test_trainer's tiny HF BertForMaskedLM, every dropout at p, seeded: two calls give the same weights."""
     torch.manual_seed(0)
-    return BertForMaskedLM(cfg)
+    return _MaskedBert(attention_dropout=p, hidden_dropout=p).mlm
 
 
 def test_every_dropout_of_an_hf_bert_draws_fast_masks(monkeypatch):
@@ -168,7 +163,6 @@ def test_the_retromae_decoder_and_the_last_layer_fast_path_draw_fast_masks(monke
 
 @pytest.mark.parametrize("setting,fast", [("auto", True), ("torch", False), ("fast", True)])
 def test_the_trainer_draws_fast_masks_as_compute_dropout_masks_says(tmp_path, setting, fast):
-    model = _tiny_bert(0.1)
     compute = ComputeParams(device="cpu", seed=1234, precision="fp32", dropout_masks=setting)
     rows = [{"input_ids": list(range(5, 17))} for _ in range(8)]
 
@@ -176,16 +170,9 @@ def test_the_trainer_draws_fast_masks_as_compute_dropout_masks_says(tmp_path, se
         ids = torch.tensor([r["input_ids"] for r in batch])
         return {"input_ids": ids, "labels": ids.clone()}
 
-    class Wrap(nn.Module):
-        def __init__(self, mlm):
-            super().__init__()
-            self.mlm = mlm
-
-        def forward(self, batch):
-            return {"loss": self.mlm(input_ids=batch["input_ids"], labels=batch["labels"]).loss}
-
     train = TrainParams(batch_size=4, lr=1e-3, max_steps=1, warmup_ratio=0.0, checkpoint_every=100, keep_checkpoints=1)
-    trainer = Trainer(Wrap(model), rows, collate, train, compute, tmp_path, progress=False)
+    trainer = Trainer(_MaskedBert(attention_dropout=0.1, hidden_dropout=0.1), rows, collate, train, compute, tmp_path,
+                      progress=False)
     kinds = {type(m) for m in trainer.raw_model.modules() if isinstance(m, nn.Dropout)}
     assert kinds == ({D.FastDropout} if fast else {nn.Dropout})
     assert D.fast_dropout_masks(setting, torch.device("cuda")) is (setting == "fast")

@@ -180,18 +180,27 @@ def load_encoder(path: str | os.PathLike, dropout: float | None = None) -> nn.Mo
     return model
 
 
+def attention_layers(model: nn.Module) -> Iterator[nn.Module]:
+    """The modules of `model` that drop out of attention probabilities: each HF *SelfAttention
+    (its `dropout` module's p is what SDPA reads) and each layer with a float `attn_dropout`
+    (RetroMAE's decoder)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "attn_dropout", None), float) or (
+                type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "dropout", None), nn.Dropout)):
+            yield m
+
+
 def set_attention_dropout(model: nn.Module, p: float) -> int:
     """Set the dropout on attention probabilities of every attention layer in `model`: the `dropout` of
     each HF *SelfAttention (SDPA reads its p as dropout_p in training) and the RetroMAE decoder's
     `attn_dropout`. Hidden-state dropout is untouched. Returns how many layers were set."""
     n = 0
-    for m in model.modules():
-        if type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "dropout", None), nn.Dropout):
-            m.dropout.p = p
-            n += 1
-        elif isinstance(getattr(m, "attn_dropout", None), float):
+    for m in attention_layers(model):
+        if isinstance(getattr(m, "attn_dropout", None), float):
             m.attn_dropout = p
-            n += 1
+        else:
+            m.dropout.p = p
+        n += 1
     return n
 
 

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from components.models.encoder import attention_layers
+
 _BITS = 16
 _LEVELS = 1 << _BITS
 _FLAG = "_rr_fast_dropout"  # set on attention modules whose dropout draws its masks here
@@ -125,7 +127,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' "sdpa" attention function, routed through `attention` for the modules that
     `use_fast_dropout` flagged while they train with dropout; any other call goes to HF's own."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # transformers only where used
 
     plain = (is_causal or getattr(module, "is_causal", False) or kwargs.get("position_bias") is not None
              or key.size(1) != query.size(1))  # a decoder, a position bias or grouped keys: HF's own handling
@@ -148,15 +150,13 @@ def use_fast_dropout(model: nn.Module) -> int:
     RetroMAE's decoder, `bert_last_layer`) is flagged for `attention`'s math path. Evaluation is
     untouched. Returns how many modules changed."""
     _register_hf_attention()
-    n = 0
-    for m in model.modules():
-        if type(m) is nn.Dropout:
-            m.__class__ = FastDropout
-            n += 1
-        if type(m).__name__.endswith("SelfAttention") or isinstance(getattr(m, "attn_dropout", None), float):
-            setattr(m, _FLAG, True)
-            n += 1
-    return n
+    layers = list(attention_layers(model))
+    for m in layers:
+        setattr(m, _FLAG, True)
+    dropouts = [m for m in model.modules() if type(m) is nn.Dropout]
+    for m in dropouts:
+        m.__class__ = FastDropout
+    return len(layers) + len(dropouts)
 
 
 def fast_dropout_masks(setting: str, device: torch.device) -> bool:
