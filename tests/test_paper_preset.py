@@ -238,11 +238,11 @@ def ruler_nlp(monkeypatch):
         {"label": "MONEY", "pattern": [{"LOWER": "5"}, {"LOWER": "dollars"}]},
     ])
     ss._spacy_error.cache_clear()
-    ss._spacy_spans_cached.cache_clear()
+    ss._ENTITIES.clear()
     monkeypatch.setattr(ss, "_load_spacy", lambda model=ss.SPACY_MODEL: nlp)
     yield nlp
     ss._spacy_error.cache_clear()
-    ss._spacy_spans_cached.cache_clear()
+    ss._ENTITIES.clear()
 
 
 SPACY_TEXT = "On 12 March 1875 Zorvan Teluk led 1,200 men to Ardel for 5 dollars."

@@ -236,10 +236,20 @@ def span_block_counts(blocks, p) -> dict[tuple[int, ...], int] | None:
     return _span_counts[key]
 
 
+def untagged_texts(blocks) -> list[str]:
+    """The texts of the blocks without source-marked `char_spans`: those the salient-span tagger reads."""
+    cols = [c for c in ("text", "char_spans") if c in blocks.column_names]
+    if "text" not in cols:
+        return []
+    return [row["text"] for _, row in iter_block_rows(blocks, cols) if row["text"] and not len(row.get("char_spans") or [])]
+
+
 def eligible_rows(blocks, p, mask_token_id: int, seed: int) -> list[int]:
     """Rows for which `make_query` yields a query (salient-span mode: the block has a usable span)."""
     if p.masking == "salient_span":
-        span_tagger_for(p).kind  # resolved once, before the pass over the corpus: a missing NER model errors or warns here
+        tagger = span_tagger_for(p)
+        tagger.kind  # resolved once, before the pass over the corpus: a missing NER model errors or warns here
+        tagger.prefetch(untagged_texts(blocks))  # one batched NER pass: every pass below reads its cache
     cols = [c for c in (*_SPAN_COLUMNS, "block_id") if c in blocks.column_names]
     rng, counts = np.random.default_rng(seed), span_block_counts(blocks, p)
     return [r for r, row in iter_block_rows(blocks, cols) if make_query(row, p, rng, mask_token_id=mask_token_id, row=r, span_blocks=counts)]

@@ -28,7 +28,7 @@ import functools
 import logging
 import re
 from dataclasses import dataclass
-from typing import Literal, Sequence, Union
+from typing import Iterable, Literal, Sequence, Union
 
 log = logging.getLogger(__name__)
 
@@ -175,17 +175,29 @@ def _warn_once(message: str) -> None:
     log.warning(message)
 
 
+# Entities per (model, text), every label: a block is tagged by every pass (eligible rows, span counts,
+# the warm-up's index, probes) and at every draw of a query from it, so NER runs once per distinct text.
+_ENTITIES: dict[tuple[str, str], tuple[Span, ...]] = {}
+_ENTITIES_MAX = 1 << 16
+NER_BATCH = 64  # texts per nlp.pipe batch: 1.25x faster than one call per text on the shipped corpus
+
+
+def _tag_spacy(texts: Iterable[str], model: str) -> None:
+    """NER over the texts not tagged yet, in `nlp.pipe` batches (the same entities as `nlp(text)`
+    one text at a time: spaCy's NER reads each text on its own)."""
+    todo = list(dict.fromkeys(t for t in texts if t and (model, t) not in _ENTITIES))
+    if not todo:
+        return
+    if len(_ENTITIES) + len(todo) > _ENTITIES_MAX:
+        _ENTITIES.clear()
+    for text, doc in zip(todo, _load_spacy(model).pipe(todo, batch_size=NER_BATCH)):
+        _ENTITIES[(model, text)] = tuple(sorted((e.start_char, e.end_char, e.label_) for e in doc.ents
+                                                if e.end_char > e.start_char))
+
+
 def _spacy_spans(text: str, model: str, types: frozenset[str] | None = None) -> list[Span]:
-    return list(_spacy_spans_cached(text, model, types))
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _spacy_spans_cached(text: str, model: str, types: frozenset[str] | None) -> tuple[Span, ...]:
-    # A block is tagged by every pass (eligible rows, span counts, the warm-up's index, probes) and at
-    # every draw of a query from it: NER runs once per distinct block text.
-    doc = _load_spacy(model)(text)
-    return tuple(sorted((e.start_char, e.end_char, e.label_) for e in doc.ents
-                        if e.end_char > e.start_char and (not types or e.label_ in types)))
+    _tag_spacy([text], model)
+    return [s for s in _ENTITIES[(model, text)] if not types or s[2] in types]
 
 
 @dataclass(frozen=True)
@@ -212,6 +224,11 @@ class SpanTagger:
         if not text:
             return []
         return _spacy_spans(text, self.model, frozenset(self.types)) if self.kind == "spacy" else _regex_spans(text)
+
+    def prefetch(self, texts: Iterable[str]) -> None:
+        """Tag `texts` now, in batches, for the calls that follow (spacy; the regex tagger needs none)."""
+        if self.kind == "spacy":
+            _tag_spacy(texts, self.model)
 
 
 def span_tagger_for(p) -> SpanTagger:
