@@ -44,7 +44,7 @@ from components.io import write_bytes_atomic, write_json_atomic, write_text_atom
 RESULTS = ROOT / "bench/results"
 # the stages measured (one start, one size and one open-QA system stand for the fine-tunes: step_overrides)
 STAGES = ("prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm@refreshed",
-          "finetune_retriever@retromae-all", "finetune_reader@realm")
+          "finetune_retriever@retromae-32", "finetune_reader@realm")
 ARMS = {"glibc": ({"RR_ALLOCATOR": "system"}, ["compute.malloc_trim_every=0"]),
         "auto": ({}, []),
         "glibc+trim": ({"RR_ALLOCATOR": "system"}, [])}

@@ -2,7 +2,7 @@
 
     python -m bench.bench_memory_residual --stage pretrain_retromae --steps 2000
     python -m bench.bench_memory_residual --stage pretrain_realm@refreshed --steps 1000
-    python -m bench.bench_memory_residual --stage finetune_retriever@retromae-all --steps 2000
+    python -m bench.bench_memory_residual --stage finetune_retriever@retromae-32 --steps 2000
 
 bench/bench_memory.py measures each loop's RSS slope through the real pipeline. Under mimalloc a
 few loops still rise by a few MB per 1,000 steps. This study runs one real stage flow (tiny preset,
@@ -39,10 +39,10 @@ from components.io import write_json_atomic  # noqa: E402
 RESULTS = ROOT / "bench/results"
 STEP_KEYS = {"pretrain_retromae": ["retromae.train.max_steps"], "pretrain_mlm": ["retromae.train.max_steps"],
              "pretrain_realm@refreshed": ["realm.train.max_steps", "realm.ict_steps", "realm.reader_warmup_steps"],
-             "finetune_retriever@retromae-all": ["finetune.train.max_steps"],
+             "finetune_retriever@retromae-32": ["finetune.train.max_steps"],
              "finetune_reader@realm": ["finetune.qa_train.max_steps"]}
 UPTO = {"pretrain_retromae": "tokenize", "pretrain_mlm": "tokenize", "pretrain_realm@refreshed": "pretrain_retromae",
-        "finetune_retriever@retromae-all": "pretrain_retromae", "finetune_reader@realm": "pretrain_realm@refreshed"}
+        "finetune_retriever@retromae-32": "pretrain_retromae", "finetune_reader@realm": "pretrain_realm@refreshed"}
 ITEM_FLAG = {"pretrain_realm": "--arm", "finetune_retriever": "--item", "finetune_reader": "--item"}
 FRAMES = 4
 

@@ -45,7 +45,7 @@ def test_dvc_yaml_names_the_folders_of_components_paths():
     assert [k for k in raw if k != "source_digest"] == STAGES
     stages = {k: v for k, v in dvc_stages().items() if k != "source_digest"}
     assert {k.partition("@")[0] for k in stages} == set(STAGES)
-    assert {"pretrain_realm@refreshed", "pretrain_realm@stale", "finetune_retriever@retromae-32", "finetune_retriever@init-all",
+    assert {"pretrain_realm@refreshed", "pretrain_realm@stale", "finetune_retriever@retromae-32", "finetune_retriever@init-32",
             "finetune_reader@bm25", "finetune_reader@realm", "finetune_reader@realm-stale"} <= set(stages)
     produced = [f for spec in stages.values() for f in _names(spec.get("outs"))]  # folders and plain files (cache: false)
     for name, spec in stages.items():
@@ -200,7 +200,7 @@ def test_missing_outputs_names_what_a_partial_run_leaves_out(tmp_path):
                     out.mkdir(parents=True)
         left = missing_outputs()
         assert {s.partition("@")[0] for s in left} == {"pretrain_mlm", "finetune_retriever", "finetune_reader", "evaluate"}
-        assert "finetune_retriever@init-all" in left and "pretrain_realm@stale" not in left
+        assert "finetune_retriever@init-32" in left and "pretrain_realm@stale" not in left
         assert "models/mlm" in left["pretrain_mlm"]
 
 
