@@ -302,16 +302,24 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
     # a plan of the file as it was would run the previous preset's curve points
     stages = plan(target=target, upto=upto, only=only)
     params = load_params()
-    parent = open_parent_run(params, tags={"rr.overrides": json.dumps(overrides or {}), "rr.preset": preset or "",
-                                           "rr.target": target or "", "rr.only": only or "", "rr.upto": upto or "",
-                                           "rr.push": str(push).lower(), **prefect_tags()})
+    # prefect_tags() exports the flow run's id, which the stages inherit: before the server copies the environment
+    tags = {"rr.overrides": json.dumps(overrides or {}), "rr.preset": preset or "", "rr.target": target or "",
+            "rr.only": only or "", "rr.upto": upto or "", "rr.push": str(push).lower(), **prefect_tags()}
+    server = contextlib.ExitStack()  # the stage server, closed once the stages are done
+    try:
+        if warm_stages and len(stages) > 1 and stage_server_enabled():
+            # started before the parent run: its ~10 s of imports overlap the run's creation, not the first stages
+            server.enter_context(stage_server(dvc_env()))
+        parent = open_parent_run(params, tags=tags)
+    except BaseException:
+        server.close()
+        raise
     os.environ[ENV_PARENT] = parent
     status = "FAILED"
     result: dict[str, str] = {}
     try:
         forced = {s for s in stages if target and (s == target or s.startswith(f"{target}@"))}
-        warm = warm_stages and len(stages) > 1 and stage_server_enabled()
-        with stage_server(dvc_env()) if warm else contextlib.nullcontext():
+        with server:
             if concurrency == 1:
                 for stage in stages:
                     result[stage] = repro_stage(stage, force=stage in forced)
