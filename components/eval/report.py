@@ -244,9 +244,10 @@ def _label_efficiency_figure(points: Sequence[Mapping]):
         ax = fig.add_subplot(1, 2, i + 1)
         for label, pts in sorted(lines.items(), key=lambda kv: kv[1][0]["kind"] == "reference"):  # the reference last
             pts = [p for p in pts if p.get(metric) is not None]
-            ref = pts and pts[0]["kind"] == "reference"
-            ax.plot([p["questions"] for p in pts], [p[metric] for p in pts], label=f"{label} (zero-shot)" if ref else label,
-                    marker=None if ref else "o", ls="--" if ref else "-", color="0.4" if ref else None)
+            if pts and pts[0]["kind"] == "reference":  # zero-shot: one value whatever the size, across the axis
+                ax.axhline(pts[0][metric], label=f"{label} (zero-shot)", ls="--", color="0.4")
+            else:
+                ax.plot([p["questions"] for p in pts], [p[metric] for p in pts], label=label, marker="o", ls="-")
         if xs and xs[-1] / max(xs[0], 1) >= 4:
             ax.set_xscale("log")  # 32 .. 10k questions: the paper's few-label end needs the room
             ax.minorticks_off()
