@@ -81,7 +81,8 @@ def _stage_order() -> tuple[list[str], dict]:
 _DVC_SPEC = dvc_stages()  # foreach / matrix stages resolved: `<group>@<item>`
 # Stages whose cmd is a stage flow (an MLflow stage run, a Prefect flow run, a deployment), and the
 # always_changed ones DVC reruns every time (source_digest: a plain module, cheap).
-FLOW_STAGES = {s for s, d in _DVC_SPEC.items() if d["cmd"].startswith("scripts/py -m flows.")}
+FLOW_GROUPS = {s.partition("@")[0] for s, d in _DVC_SPEC.items() if d["cmd"].startswith("scripts/py -m flows.")}
+FLOW_STAGES = {s for s in _DVC_SPEC if s.partition("@")[0] in FLOW_GROUPS}
 ALWAYS = {s for s, d in _DVC_SPEC.items() if d.get("always_changed")}
 
 
@@ -94,16 +95,24 @@ def default_upto() -> str:
     return runnable[-1]
 
 
-def _in_workspace(stage: str) -> bool:
-    """Whether the deployed workspace has `stage`: it fine-tunes TINY's training sizes only, while
-    this checkout's params.yaml (which `_stage_order` expands the matrix with) may list more."""
-    group, _, item = stage.partition("@")
-    return group != "finetune_retriever" or str(paths.retriever_item(item)[1]) in {str(n) for n in TINY["finetune.train_sizes"]}
+def _in_workspace(stages: list[str]) -> list[str]:
+    """`stages` as the deployed workspace has them: this checkout's params.yaml (which `_stage_order`
+    expands the matrix with) may list other training sizes than TINY's, which the workspace fine-tunes
+    (each start's items in TINY's order, where the checkout's first item of that start stood)."""
+    out: list[str] = []
+    for stage in stages:
+        group, _, item = stage.partition("@")
+        if group != "finetune_retriever":
+            out.append(stage)
+            continue
+        start = paths.retriever_item(item)[0]
+        out += [s for s in (f"{group}@{start}-{n}" for n in TINY["finetune.train_sizes"]) if s not in out]
+    return out
 
 
 UPTO = default_upto()
-STAGES = [s for s in _stage_order()[1][UPTO] if _in_workspace(s)]
-TRACKED = [s for s in STAGES if s in FLOW_STAGES]  # the stages with an MLflow child run
+STAGES = _in_workspace(_stage_order()[1][UPTO])
+TRACKED = [s for s in STAGES if s.partition("@")[0] in FLOW_GROUPS]  # the stages with an MLflow child run
 
 
 # ---------------------------------------------------------------------------------------------

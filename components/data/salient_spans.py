@@ -179,7 +179,7 @@ def _warn_once(message: str) -> None:
 # the warm-up's index, probes) and at every draw of a query from it, so NER runs once per distinct text.
 _ENTITIES: dict[tuple[str, str], tuple[Span, ...]] = {}
 _ENTITIES_MAX = 1 << 16
-NER_BATCH = 64  # texts per nlp.pipe batch: 1.25x faster than one call per text on the shipped corpus
+NER_BATCH = 64  # texts per nlp.pipe batch: 1.2x faster than one call per text on the shipped corpus (6.2 -> 5.2 s)
 
 
 def _tag_spacy(texts: Iterable[str], model: str) -> None:
