@@ -82,7 +82,6 @@ _DVC_SPEC = dvc_stages()  # foreach / matrix stages resolved: `<group>@<item>`
 # Stages whose cmd is a stage flow (an MLflow stage run, a Prefect flow run, a deployment), and the
 # always_changed ones DVC reruns every time (source_digest: a plain module, cheap).
 FLOW_GROUPS = {s.partition("@")[0] for s, d in _DVC_SPEC.items() if d["cmd"].startswith("scripts/py -m flows.")}
-FLOW_STAGES = {s for s in _DVC_SPEC if s.partition("@")[0] in FLOW_GROUPS}
 ALWAYS = {s for s, d in _DVC_SPEC.items() if d.get("always_changed")}
 
 
@@ -90,7 +89,7 @@ def default_upto() -> str:
     if os.environ.get("RR_DEPLOY_UPTO"):
         return os.environ["RR_DEPLOY_UPTO"]
     order, closure = _stage_order()
-    runnable = [s for s in order if all(u not in FLOW_STAGES or (ROOT / "flows" / f"{u.partition('@')[0]}.py").exists()
+    runnable = [s for s in order if all(u.partition('@')[0] not in FLOW_GROUPS or (ROOT / "flows" / f"{u.partition('@')[0]}.py").exists()
                                         for u in closure[s])]
     return runnable[-1]
 
@@ -326,7 +325,7 @@ def test_prefect_yaml_deploys_one_pipeline_flow_per_stage():
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     order, _ = _stage_order()
     deps = {d["name"]: d for d in spec["deployments"]}
-    assert set(deps) == {"pipeline", *(s.partition("@")[0] for s in order if s in FLOW_STAGES)}  # a group: one deployment
+    assert set(deps) == {"pipeline", *(FLOW_GROUPS & {s.partition("@")[0] for s in order})}  # a group: one deployment
     for name, d in deps.items():
         assert d["entrypoint"] == "flows/pipeline.py:pipeline" and d["concurrency_limit"] == 1
         assert d["work_pool"]["name"] == "{{ $RR_PREFECT_POOL }}"

@@ -35,7 +35,7 @@ import numpy as np
 from components.data.salient_spans import TaggerLike, span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.data.token_spans import (as_list, block_spans, contains_span, occurs_once, salient_token_spans,
-                                         sentence_token_spans, whole_words, word_starts)
+                                         sentence_token_spans, text_to_tag, whole_words, word_starts)
 
 _FALLBACK_SPAN_LENS = (1, 2, 3, 4)  # random_span length when the block has no salient span
 
@@ -241,7 +241,7 @@ def untagged_texts(blocks) -> list[str]:
     cols = [c for c in ("text", "char_spans") if c in blocks.column_names]
     if "text" not in cols:
         return []
-    return [row["text"] for _, row in iter_block_rows(blocks, cols) if row["text"] and not len(row.get("char_spans") or [])]
+    return [text for _, row in iter_block_rows(blocks, cols) if (text := text_to_tag(row))]
 
 
 def eligible_rows(blocks, p, mask_token_id: int, seed: int) -> list[int]:

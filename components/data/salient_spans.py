@@ -196,8 +196,11 @@ def _tag_spacy(texts: Iterable[str], model: str) -> None:
 
 
 def _spacy_spans(text: str, model: str, types: frozenset[str] | None = None) -> list[Span]:
-    _tag_spacy([text], model)
-    return [s for s in _ENTITIES[(model, text)] if not types or s[2] in types]
+    ents = _ENTITIES.get((model, text))
+    if ents is None:  # not prefetched: tagged alone
+        _tag_spacy([text], model)
+        ents = _ENTITIES[(model, text)]
+    return [s for s in ents if not types or s[2] in types]
 
 
 @dataclass(frozen=True)

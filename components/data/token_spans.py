@@ -80,11 +80,17 @@ def whole_words(s: int, e: int, word_ids: Sequence[int]) -> tuple[int, int]:
     return s, e
 
 
+def text_to_tag(block_row: dict) -> str:
+    """The text the salient-span tagger reads for this block: "" when its source marked the spans
+    (`char_spans`), which are used as they are."""
+    return "" if len(as_list(block_row.get("char_spans") or [])) else (block_row.get("text") or "")
+
+
 def salient_token_spans(block_row: dict, tagger: TaggerLike) -> list[tuple[int, int]]:
     """Whole-word token spans of the block's salient spans (source-marked `char_spans`, else tagged)."""
-    char_spans = as_list(block_row.get("char_spans") or [])
-    if len(char_spans) == 0:
-        char_spans = [(s, e) for s, e, _ in find_salient_spans(block_row.get("text") or "", tagger)]
+    text = text_to_tag(block_row)
+    char_spans = ([(s, e) for s, e, _ in find_salient_spans(text, tagger)] if text
+                  else as_list(block_row.get("char_spans") or []))
     word_ids = as_list(block_row["word_ids"])
     spans = char_spans_to_token_spans(char_spans, as_list(block_row["offsets"]))
     return sorted({whole_words(s, e, word_ids) for s, e in spans})
