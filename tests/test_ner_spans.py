@@ -5,6 +5,7 @@ the regex tagger, as realm.ner_missing says; choosing the regex tagger warns."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -127,6 +128,31 @@ def test_batched_tagging_gives_the_entities_of_one_text_at_a_time(monkeypatch):
     ss._ENTITIES.clear()
 
 
+def test_an_entities_file_lets_another_run_skip_the_tagging(tmp_path, monkeypatch):
+    """`prefetch(cache=)`: the run that tags writes the entities file; another process (REALM's other
+    arm: an empty cache) reads it and tags nothing, with the same entities. The file of another
+    pipeline is not read."""
+    nlp = ss._load_spacy("en_core_web_sm")
+    tagger, cache = ss.SpanTagger("spacy"), tmp_path / "ner_entities.json"
+    ss._ENTITIES.clear()
+    tagger.prefetch(SENTENCES, cache=cache)
+    tagged = {t: tagger(t) for t in SENTENCES}
+    assert cache.is_file() and any(tagged.values())
+    calls = []
+    real_pipe = type(nlp).pipe
+    monkeypatch.setattr(type(nlp), "pipe", lambda self, texts, **kw: calls.append(list(texts)) or real_pipe(self, calls[-1], **kw))
+    ss._ENTITIES.clear()
+    tagger.prefetch(SENTENCES, cache=cache)
+    assert calls == [] and {t: tagger(t) for t in SENTENCES} == tagged
+    saved = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**saved, "pipeline": "another pipeline"}))
+    ss._ENTITIES.clear()
+    tagger.prefetch(SENTENCES, cache=cache)
+    assert calls == [SENTENCES] and {t: tagger(t) for t in SENTENCES} == tagged
+    assert json.loads(cache.read_text()) == saved  # rewritten for this pipeline
+    ss._ENTITIES.clear()
+
+
 def test_the_realm_stage_tags_its_blocks_in_one_batched_pass(monkeypatch):
     """`eligible_rows` prefetches the texts of the blocks without source-marked spans, once."""
     import datasets
@@ -138,7 +164,7 @@ def test_the_realm_stage_tags_its_blocks_in_one_batched_pass(monkeypatch):
     assert rq.untagged_texts(blocks) == SENTENCES[:2]
     assert rq.untagged_texts(blocks.remove_columns("char_spans")) == [SENTENCES[0], SENTENCES[1], "marked"]
     seen = []
-    monkeypatch.setattr(ss.SpanTagger, "prefetch", lambda self, texts: seen.append(list(texts)))
+    monkeypatch.setattr(ss.SpanTagger, "prefetch", lambda self, texts, cache=None: seen.append(list(texts)))
     monkeypatch.setattr(rq, "make_query", lambda *a, **k: None)
     rq.eligible_rows(blocks, RealmParams(span_tagger="spacy"), mask_token_id=0, seed=0)
     assert seen == [SENTENCES[:2]]

@@ -410,15 +410,28 @@ def test_async_refresh_builds_in_the_background_ict_init(ws, monkeypatch):
     assert mlflow_client().get_run(run_id).data.tags["realm.retriever_init"] == "ict"
 
 
-def test_the_arms_share_their_warm_ups_the_second_resumes_them(ws):
+def test_the_arms_share_their_warm_ups_the_second_resumes_them(ws, monkeypatch):
     """Both arms start from the same warm-ups (they differ only in the refresh cadence): the first
-    trains them, the second resumes their final checkpoints and starts REALM from the same model."""
+    trains them, the second resumes their final checkpoints and starts REALM from the same model,
+    whose first index and held-out accuracy at step 0 it reads instead of computing them again."""
     p = tiny_params(**{"realm.refresh_mode": "sync", "realm.retriever_init": "ict"})
-    arms = {}
+    embeds = []
+    real_embed = embed_lib.embed_blocks
+    monkeypatch.setattr(embed_lib, "embed_blocks", lambda *a, **k: embeds.append(1) or real_embed(*a, **k))
+    arms, n_embeds = {}, {}
     for arm in ("refreshed", "stale"):
+        embeds.clear()
         with StageRun(f"pretrain_realm@{arm}", p, ["realm"]) as run:
             arms[arm] = (stage.train_realm(p, run, arm=arm), run.run_id)
+        n_embeds[arm] = len(embeds)
     (first, first_id), (second, second_id) = arms["refreshed"], arms["stale"]
+    # every refresh embeds the blocks (ICT's warm-up embeds none) but the second arm's initial one
+    kids = {arm: refresh_children(run_id) for arm, (_, run_id) in arms.items()}
+    assert n_embeds == {"refreshed": len(kids["refreshed"]), "stale": len(kids["stale"]) - 1}
+    assert [k.data.metrics["shared_start"] for k in (kids["refreshed"][0], kids["stale"][0])] == [0.0, 1.0]
+    first_vecs = [BlockIndex.load(f"models/{d}/index/first").embeddings() for d in ("realm", "realm-stale")]
+    np.testing.assert_array_equal(*first_vecs)
+    assert (stage.warmup_root(p) / "first_index_heldout_eval.json").is_file()
     assert first["ict_resumed_from"] == 0 and first["reader_warmup_resumed_from"] == 0
     assert second["ict_resumed_from"] == p.realm.ict_steps and second["reader_warmup_resumed_from"] == p.realm.reader_warmup_steps
     assert metric_steps(first_id, "reader_warmup_loss") and not metric_steps(second_id, "reader_warmup_loss")  # trained once

@@ -28,6 +28,7 @@ around it (random modes: a random sentence). Spans are tagged by `span_tagger_fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -244,12 +245,13 @@ def untagged_texts(blocks) -> list[str]:
     return [text for _, row in iter_block_rows(blocks, cols) if (text := text_to_tag(row))]
 
 
-def eligible_rows(blocks, p, mask_token_id: int, seed: int) -> list[int]:
-    """Rows for which `make_query` yields a query (salient-span mode: the block has a usable span)."""
+def eligible_rows(blocks, p, mask_token_id: int, seed: int, ner_cache: Path | None = None) -> list[int]:
+    """Rows for which `make_query` yields a query (salient-span mode: the block has a usable span).
+    `ner_cache`: an entities file shared by runs over the same blocks (`SpanTagger.prefetch`)."""
     if p.masking == "salient_span":
         tagger = span_tagger_for(p)
         tagger.kind  # resolved once, before the pass over the corpus: a missing NER model errors or warns here
-        tagger.prefetch(untagged_texts(blocks))  # one batched NER pass: every pass below reads its cache
+        tagger.prefetch(untagged_texts(blocks), cache=ner_cache)  # one batched NER pass: every pass below reads its cache
     cols = [c for c in (*_SPAN_COLUMNS, "block_id") if c in blocks.column_names]
     rng, counts = np.random.default_rng(seed), span_block_counts(blocks, p)
     return [r for r, row in iter_block_rows(blocks, cols) if make_query(row, p, rng, mask_token_id=mask_token_id, row=r, span_blocks=counts)]

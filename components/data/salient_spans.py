@@ -25,9 +25,12 @@ print(f('On 12 March 1875 Zorvan Teluk crossed the New Ardel River with 1,200 me
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Literal, Sequence, Union
 
 log = logging.getLogger(__name__)
@@ -182,17 +185,55 @@ _ENTITIES_MAX = 1 << 16
 NER_BATCH = 64  # texts per nlp.pipe batch: 1.2x faster than one call per text on the shipped corpus (6.2 -> 5.2 s)
 
 
-def _tag_spacy(texts: Iterable[str], model: str) -> None:
+def _tag_spacy(texts: Iterable[str], model: str) -> int:
     """NER over the texts not tagged yet, in `nlp.pipe` batches (the same entities as `nlp(text)`
-    one text at a time: spaCy's NER reads each text on its own)."""
+    one text at a time: spaCy's NER reads each text on its own). Returns how many it tagged."""
     todo = list(dict.fromkeys(t for t in texts if t and (model, t) not in _ENTITIES))
     if not todo:
-        return
+        return 0
     if len(_ENTITIES) + len(todo) > _ENTITIES_MAX:
         _ENTITIES.clear()
     for text, doc in zip(todo, _load_spacy(model).pipe(todo, batch_size=NER_BATCH)):
         _ENTITIES[(model, text)] = tuple(sorted((e.start_char, e.end_char, e.label_) for e in doc.ents
                                                 if e.end_char > e.start_char))
+    return len(todo)
+
+
+def _text_key(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _pipeline_id(model: str) -> str:
+    """The loaded pipeline and spaCy's version: an entities file of another one is not read."""
+    import spacy  # noqa: PLC0415
+
+    meta = _load_spacy(model).meta
+    return f"{model} ({meta.get('lang')}_{meta.get('name')} {meta.get('version')}, spaCy {spacy.__version__})"
+
+
+def _read_entities(path: Path, model: str, texts: list[str]) -> None:
+    """Fill the cache for `texts` from an entities file (`SpanTagger.prefetch`)."""
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        log.warning("%s unreadable (%s): tagging again", path, e)
+        return
+    if saved.get("pipeline") != _pipeline_id(model):
+        return
+    ents = saved.get("entities", {})
+    for text in texts:
+        got = ents.get(_text_key(text))
+        if got is not None and (model, text) not in _ENTITIES:
+            _ENTITIES[(model, text)] = tuple(tuple(e) for e in got)
+
+
+def _write_entities(path: Path, model: str, texts: list[str]) -> None:
+    from components.io import write_json_atomic  # noqa: PLC0415
+
+    ents = {_text_key(t): _ENTITIES[(model, t)] for t in texts if (model, t) in _ENTITIES}
+    write_json_atomic(path, {"pipeline": _pipeline_id(model), "entities": ents})
 
 
 def _spacy_spans(text: str, model: str, types: frozenset[str] | None = None) -> list[Span]:
@@ -228,10 +269,17 @@ class SpanTagger:
             return []
         return _spacy_spans(text, self.model, frozenset(self.types)) if self.kind == "spacy" else _regex_spans(text)
 
-    def prefetch(self, texts: Iterable[str]) -> None:
-        """Tag `texts` now, in batches, for the calls that follow (spacy; the regex tagger needs none)."""
-        if self.kind == "spacy":
-            _tag_spacy(texts, self.model)
+    def prefetch(self, texts: Iterable[str], cache: Path | None = None) -> None:
+        """Tag `texts` now, in batches, for the calls that follow (spacy; the regex tagger needs none).
+        `cache`: an entities file (JSON, by text digest) to read first and to write when anything
+        was tagged, so that runs over the same texts tag them once (REALM's two arms)."""
+        if self.kind != "spacy":
+            return
+        texts = list(texts)
+        if cache is not None:
+            _read_entities(cache, self.model, texts)
+        if _tag_spacy(texts, self.model) and cache is not None:
+            _write_entities(cache, self.model, texts)
 
 
 def span_tagger_for(p) -> SpanTagger:

@@ -17,6 +17,12 @@ builds the same index, bit for bit the one a single process builds. Each refresh
 swapped in at the same step on every rank, and fails on all of them or none. Only rank 0
 publishes, logs and probes (docs/experiments/realm.md says why). `run`, the probes and the trainer
 are passed in, so this module needs neither tracking nor eval nor training.
+
+Shared start (`start_cache`): runs that start from the same weights (REALM's two arms, after their
+shared warm-ups) have the same first index. The first fresh run to build it saves it with its
+figures (`SharedStart`); a later one loads it instead of embedding every block again. Only a
+one-process fresh start (step 0) reads or writes it: a resume rebuilds from its resumed weights,
+and a sharded build is collective, which a file appearing between two ranks' checks would split.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from components.data.special_tokens import SpecialTokens
 from components.index.faiss_index import BlockIndex, IndexStore
 from components.index.refresh import RefreshResult, snapshot_module, staleness
 from components.index.shard import CollectiveRefresher, RefreshGroups, embed_and_build_sharded
-from components.io import write_json_atomic
+from components.io import atomic_dir, write_json_atomic
 from components.models.retriever import Retriever, encode_queries
 
 log = logging.getLogger(__name__)
@@ -81,6 +87,34 @@ class RefreshContext:
     amp_dtype: torch.dtype | None = None  # the precision REALM's rescoring runs in, so index and scores agree
 
 
+class SharedStart:
+    """A first index and its refresh figures (embedding speed, probes) in `folder` (index/,
+    stats.json), written atomically by the run that built it, read by runs that start from the same
+    weights. The caller keys `folder` by everything the first index depends on (REALM: the warm-ups'
+    checkpoint folder, `pretrain_realm.warmup_root`)."""
+
+    STATS = "stats.json"
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def load(self) -> tuple[BlockIndex, dict] | None:
+        """(index, stats) when a complete one is saved, else None (a damaged one is rebuilt, with a warning)."""
+        if not (self.folder / self.STATS).is_file():
+            return None
+        try:
+            stats = json.loads((self.folder / self.STATS).read_text())
+            return BlockIndex.load(self.folder / "index"), stats
+        except (OSError, ValueError, RuntimeError) as e:  # a bad file (ValueError: JSON, meta or a sha256)
+            log.warning("shared first index in %s unreadable (%s); building it again", self.folder, e)
+            return None
+
+    def save(self, index: BlockIndex, stats: dict) -> None:
+        with atomic_dir(self.folder) as tmp:  # a concurrent writer saves the same index; the last one stays
+            index.save(tmp / "index")
+            write_json_atomic(tmp / self.STATS, stats)
+
+
 class IndexRefresh:
     """Owns the index during training: the initial build, the cadence (AsyncRefresher), the swap at
     step boundaries, failure handling, the per-refresh records and the final build.
@@ -91,8 +125,9 @@ class IndexRefresh:
     """
 
     def __init__(self, ctx: RefreshContext, store: IndexStore, *, run=None, wrapper: RefreshWrapper | None = None,
-                 history_path: Path | None = None, rank0: bool = True):
+                 history_path: Path | None = None, rank0: bool = True, start_cache: Path | None = None):
         self.ctx, self.store, self.run, self.rank0 = ctx, store, run, rank0
+        self.start_cache = SharedStart(start_cache) if start_cache is not None else None
         self.wrapper = wrapper or plain_wrapper
         self.history_path = history_path
         self.history: list[dict] = []
@@ -142,34 +177,52 @@ class IndexRefresh:
         `query_encoder` with realm.query_tower: index_export)."""
         return self.active_encoder
 
+    def _shared_start(self, step: int, reason: str) -> SharedStart | None:
+        """The shared first index, where this build may use it (a one-process fresh start)."""
+        return self.start_cache if reason == "initial" and step == 0 and not self.groups.active else None
+
+    def _embed_and_build(self, retriever: Retriever, step: int) -> tuple[BlockIndex, dict]:
+        """Embed every block with the snapshot and build the index: (index, the embedding figures)."""
+        c = self.ctx
+        dev = next(retriever.parameters()).device
+        amp = (torch.autocast(device_type=dev.type, dtype=c.amp_dtype) if c.amp_dtype is not None else contextlib.nullcontext())
+
+        def encode(batch):
+            return retriever.encode_passage(**{k: v.to(dev) for k, v in batch.items()})
+
+        with amp:
+            index, st = embed_and_build_sharded(
+                encode, c.blocks, c.block_ids, batch_size=c.p.embed_batch_size, groups=self.groups,
+                collate=lambda rows: passage_batch(rows, c.p, c.special),
+                index_type=c.p.index_type, step=step, auto_flat_max=c.p.index_auto_flat_max)
+        return index, {"embed_seconds": st["seconds"], "build_seconds": st["build_seconds"], "blocks_per_s": st["blocks_per_s"],
+                       "tokens_per_s": st["tokens_per_s"], "n_tokens": st["n_tokens"]}
+
     def _build(self, retriever: Retriever, step: int, reason: str, tags: dict | None) -> tuple[BlockIndex, dict]:
         c = self.ctx
         t0 = time.perf_counter()  # wall time of the whole refresh, tracking included
+        shared = self._shared_start(step, reason)
+        loaded = shared.load() if shared is not None else None
         child = None
         if self.run is not None and self.rank0:
             child = self.run.child("refresh_index", tags={"rr.refresh_reason": reason, **(tags or {})})
         with child if child is not None else contextlib.nullcontext():
-            dev = next(retriever.parameters()).device
-            amp = (torch.autocast(device_type=dev.type, dtype=c.amp_dtype) if c.amp_dtype is not None else contextlib.nullcontext())
-
-            def encode(batch):
-                return retriever.encode_passage(**{k: v.to(dev) for k, v in batch.items()})
-
-            with amp:
-                index, st = embed_and_build_sharded(
-                    encode, c.blocks, c.block_ids, batch_size=c.p.embed_batch_size, groups=self.groups,
-                    collate=lambda rows: passage_batch(rows, c.p, c.special),
-                    index_type=c.p.index_type, step=step, auto_flat_max=c.p.index_auto_flat_max)
+            # saved: the embedding figures and the probes (of the run that built it, from the same weights)
+            index, saved = loaded if loaded is not None else self._embed_and_build(retriever, step)
+            if self.rank0 and c.probe is not None and loaded is None:
+                saved = {**saved, **c.probe(retriever, index)}
             stats: dict[str, Any] = {"step": step, "reason": reason, "index_size": len(index), "index_type": index.index_type,
-                                     "embed_seconds": st["seconds"], "build_seconds": st["build_seconds"],
-                                     "blocks_per_s": st["blocks_per_s"], "tokens_per_s": st["tokens_per_s"], "n_tokens": st["n_tokens"]}
+                                     **saved}
+            if shared is not None:
+                stats["shared_start"] = float(loaded is not None)
+                if loaded is None:
+                    shared.save(index, saved)
+                log.info("refresh_index initial: %s the shared first index %s", "read" if loaded else "saved", shared.folder)
             if self.rank0:
                 old = self.active
                 if old is not None:
                     stats["staleness"] = staleness(encode_queries(retriever, c.staleness_x), old, index, c.p.staleness_k)
                     stats["previous_version"] = old.version
-                if c.probe is not None:
-                    stats.update(c.probe(retriever, index))
                 version = self.store.publish(index, step=step, extra_meta={"reason": reason}, make_current=False)
                 self.store.prune(keep_last=2, keep_first=True)
                 index = index.with_meta(version=version, step=step)

@@ -16,8 +16,10 @@ final index.
    questions). The probe sets: components/eval/realm_probes.py.
 2. The model: `build_model` (components/models/realm.py) with the ICT warm-up of the retriever,
    then the reader warm-up (components/training/warmups.py). The arms share them: whichever runs
-   first trains them into `warmup_root`, the other resumes their finished checkpoints. `realm.freeze_reader` then freezes
-   the reader; `realm.train.retriever_lr` gives the retriever its own lr group.
+   first trains them into `warmup_root`, the other resumes their finished checkpoints. What follows
+   from the same weights is shared there too: the NER tags, the first index with its probes and the
+   held-out accuracy at step 0. `realm.freeze_reader` then freezes the reader; `realm.train.retriever_lr`
+   gives the retriever its own lr group.
 3. Training: the shared Trainer on `RealmCollator` batches (salient-span masked queries, the
    candidates searched in the CURRENT index, slot 0 the null document; REALM.forward rescores them
    with gradients into both towers). `IndexRefresh` (components/index/realm_refresh.py) builds the
@@ -88,15 +90,18 @@ def checkpoint_root(params: Params, arm: str = "refreshed", corpus_dir: Path = p
 
 def warmup_root(params: Params, corpus_dir: Path = paths.CORPUS, retromae_dir: Path = paths.RETROMAE_ENCODER) -> Path:
     """The warm-ups' checkpoint folder (ICT, the reader's), shared by the arms: they differ only in
-    their refresh cadence, which no warm-up reads (`params`: before `for_arm`)."""
+    their refresh cadence, which no warm-up reads (`params`: before `for_arm`). It also holds what the
+    arms compute alike before their first step: ner_entities.json, first_index/ and
+    first_index_heldout_eval.json."""
     return checkpoint_dir(f"{STAGE}_warmup", params, ["realm", "retromae"], corpus_dir, inputs=[retromae_dir])
 
 
-def split_rows(blocks, p, special: SpecialTokens, seed: int) -> tuple[list[int], list[int], list[RealmQuery], dict]:
+def split_rows(blocks, p, special: SpecialTokens, seed: int,
+               ner_cache: Path | None = None) -> tuple[list[int], list[int], list[RealmQuery], dict]:
     """The blocks with a salient span, split into training rows and `realm.heldout_queries` held-out
     rows (at most a quarter); the held-out rows' fixed masked queries; the inputs of the fixed
-    training queries that measure staleness."""
-    rows = eligible_rows(blocks, p, special.mask, seed)
+    training queries that measure staleness. `ner_cache`: the NER tagger's entities file (`eligible_rows`)."""
+    rows = eligible_rows(blocks, p, special.mask, seed, ner_cache=ner_cache)
     rng = np.random.default_rng(seed)
     n_held = min(p.heldout_queries, len(rows) // 4)
     held = sorted(rng.choice(rows, size=n_held, replace=False).tolist()) if n_held else []
@@ -183,7 +188,7 @@ def train_realm(
                       "realm.span_tagger": "regex (ner_missing fallback)" if tagger.fallback else tagger.kind})
 
     seed = params.compute.seed
-    train_rows, held, held_queries, stale_x = split_rows(blocks, p, special, seed)
+    train_rows, held, held_queries, stale_x = split_rows(blocks, p, special, seed, ner_cache=warm_root / "ner_entities.json")
     probes = probe_sets(held_queries, blocks, block_ids, block_doc, corpus_dir, tokenizer, p, special)
     main_probes, held_probes, held_entity = probes[""], probes["heldout_"], probes["heldout_entity_"]
     probe = partial(run_probes, probes=probes, block_ids=block_ids, block_doc=block_doc, k=p.staleness_k)
@@ -218,16 +223,24 @@ def train_realm(
     collator = RealmCollator(blocks, p, special, model.retriever, store.search,  # realm.query_tower: who embeds x for the search
                              query_encoder=(lambda: refresh.query_encoder()) if p.query_tower == "index_export" else None)
     recorder = MetricRecorder(run)
+    # The arms start from the same weights, so the first arm to start saves the first index and the
+    # held-out accuracy at step 0 beside the warm-ups, and the other reads them.
     refresh = IndexRefresh(RefreshContext(blocks.select_columns(passage_columns(p)), block_ids, p, special, stale_x, probe),
-                           store, run=run, wrapper=refresh_wrapper, history_path=ckpt_root / "refresh_history.json", rank0=rank0)
+                           store, run=run, wrapper=refresh_wrapper, history_path=ckpt_root / "refresh_history.json", rank0=rank0,
+                           start_cache=warm_root / "first_index")
     ev_start: dict[str, float] = {}
+    ev_start_file = warm_root / "first_index_heldout_eval.json"
 
     def on_train_start(step: int, trainer: Trainer) -> None:
         refresh.on_train_start(step, trainer)
         if rank0 and step == 0:  # the start of the curve: held-out accuracy before any update (not on a resume)
+            if ev_start_file.is_file():
+                ev_start.update(json.loads(ev_start_file.read_text()))
+                return
             with autocast_for(params.compute.precision, trainer.device):
                 ev_start.update(evaluate_mlm(trainer.raw_model, collator, held_queries, refresh.active,
                                              batch_size=trainer.micro_batch, progress_every=pe))
+            write_json_atomic(ev_start_file, ev_start)
 
     trainer = Trainer(model, train_rows, collator, train, params.compute, ckpt_root, log_fn=recorder,
                       hooks={"on_train_start": on_train_start, "on_step_end": refresh.on_step_end},
