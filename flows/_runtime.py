@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from components.config import Params, load_params
 
@@ -179,7 +179,7 @@ def prefect_server_command(port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def local_prefect_api(home: str | os.PathLike = ".prefect") -> Iterator[str | None]:
+def local_prefect_api(home: str | os.PathLike = ".prefect", meanwhile: Callable[[], None] | None = None) -> Iterator[str | None]:
     """One local Prefect API for a whole pipeline run, shared by every stage process.
 
     Without PREFECT_API_URL each stage process would start its own ephemeral API (15-25 s each on
@@ -187,8 +187,14 @@ def local_prefect_api(home: str | os.PathLike = ".prefect") -> Iterator[str | No
     free port, state in `.prefect/`), exports PREFECT_API_URL to its children, and stops it at the
     end. If PREFECT_API_URL is already set (a real server / work pool), it is used as is.
     It may take $RR_START_TIMEOUT seconds (default 120) to answer; the error says so when it does not.
+
+    `meanwhile()` runs while the API starts (~10 s on 2 cores, most of it the schema of a fresh
+    database), with PREFECT_API_URL and PREFECT_HOME already exported: start-up work that needs no
+    API answer (flows.pipeline's stage server and tracking store).
     """
     if os.environ.get("PREFECT_API_URL"):
+        if meanwhile is not None:
+            meanwhile()
         yield os.environ["PREFECT_API_URL"]
         return
     timeout = start_timeout()
@@ -203,6 +209,10 @@ def local_prefect_api(home: str | os.PathLike = ".prefect") -> Iterator[str | No
     proc = subprocess.Popen(prefect_server_command(port), env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.monotonic()
     try:
+        os.environ["PREFECT_API_URL"] = url  # the stage processes'
+        os.environ["PREFECT_HOME"] = str(home)
+        if meanwhile is not None:
+            meanwhile()
         while not _healthy(url):
             if proc.poll() is not None:
                 raise RuntimeError(f"the local Prefect API (`prefect server start`) exited with code {proc.returncode} "
@@ -215,8 +225,6 @@ def local_prefect_api(home: str | os.PathLike = ".prefect") -> Iterator[str | No
                     f"running server (`make servers-up`). Log {server_log}:\n{_tail(server_log)}")
             time.sleep(0.3)
         log.info("local Prefect API at %s (ready in %.1fs)", url, time.monotonic() - t0)
-        os.environ["PREFECT_API_URL"] = url  # the stage processes'
-        os.environ["PREFECT_HOME"] = str(home)
         # and this process's: Prefect read its settings at import, so without this the pipeline's
         # own flow run would start Prefect's ephemeral API (~11 s) and be recorded there, not here
         from prefect.settings import PREFECT_API_URL, temporary_settings

@@ -41,12 +41,12 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from components.config import load_params
 from components.config_file import PARAMS_FILE
 from components.paths import METRICS
-from components.tracking import ENV_PARENT, close_run, open_parent_run
+from components.tracking import ENV_PARENT, close_run, open_parent_run, prepare_store
 from components.tracking_server import tracking_uri
 from flows._runtime import STAGES, local_prefect_api, prefect_tags
 from flows._stage import eval_rows, mlflow_run_url, publish_eval_artifacts
-from flows.set_params import apply_param_overrides, preset_switch
-from flows.stage_server import stage_server, stage_server_enabled
+from flows.set_params import apply_param_overrides, preset_overrides, preset_switch
+from flows.stage_server import stage_server, stage_server_enabled, stage_server_running
 
 
 def plan(target: str | None = None, upto: str | None = None, only: str | None = None) -> list[str]:
@@ -307,7 +307,7 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
             "rr.only": only or "", "rr.upto": upto or "", "rr.push": str(push).lower(), **prefect_tags()}
     server = contextlib.ExitStack()  # the stage server, closed once the stages are done
     try:
-        if warm_stages and len(stages) > 1 and stage_server_enabled():
+        if warm_stages and len(stages) > 1 and stage_server_enabled() and not stage_server_running():
             # started before the parent run: its ~10 s of imports overlap the run's creation, not the first stages
             server.enter_context(stage_server(dvc_env()))
         parent = open_parent_run(params, tags=tags)
@@ -373,9 +373,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-warm-stages", dest="warm_stages", action="store_false",
                     help="start every stage process cold, not forked from the stage server (flows/stage_server.py)")
     args = ap.parse_args(argv)
-    with local_prefect_api():
-        pipeline(overrides=_parse_set(args.set) or None, target=args.target, only=args.only, push=args.push, upto=args.upto,
-                 preset=args.preset, name=args.name, concurrency=args.concurrency, warm_stages=args.warm_stages)
+    overrides = _parse_set(args.set) or None
+    with contextlib.ExitStack() as early:
+        def meanwhile() -> None:  # while the local Prefect API starts (`local_prefect_api`)
+            if args.warm_stages and args.only is None and stage_server_enabled():
+                early.enter_context(stage_server(dvc_env()))  # its imports; the flow then uses it
+            _prepare_tracking(args.preset, overrides)
+
+        with local_prefect_api(meanwhile=meanwhile):
+            pipeline(overrides=overrides, target=args.target, only=args.only, push=args.push, upto=args.upto,
+                     preset=args.preset, name=args.name, concurrency=args.concurrency, warm_stages=args.warm_stages)
+
+
+def _prepare_tracking(preset: str | None, overrides: dict | None) -> None:
+    """Create the embedded tracking store's schema and experiment ahead of the parent run, unless the
+    run's preset or overrides set `tracking.*` (then the parent run does it, with those params). A
+    failure here is left to the parent run, which reports it."""
+    try:
+        keys = {*(overrides or {}), *(preset_overrides(preset) if preset and preset != "default" else {})}
+        if not any(k.startswith("tracking.") for k in keys):
+            prepare_store(load_params())
+    except Exception as e:  # noqa: BLE001 - an early start only
+        print(f"tracking store not prepared early ({type(e).__name__}: {e}); the parent run opens it", file=sys.stderr)
 
 
 if __name__ == "__main__":

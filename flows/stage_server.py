@@ -42,12 +42,13 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from components.tracking import ENV_STAGE_PROCESS
+from components.tracking import ENV_FLOW_RUN, ENV_STAGE_PROCESS
 
 ENV_SERVER = "RR_STAGE_SERVER"
 OFF = ("off", "0", "false", "no")
 # Read when a stage runs, not when a library is imported: they may differ from the server's.
-RUNTIME_ENV = ("RR_STAGE_SERVER", "RR_PARENT_RUN_ID", "RR_STAGE_ITEM", ENV_STAGE_PROCESS, "PWD", "OLDPWD", "SHLVL", "_")
+RUNTIME_ENV = ("RR_STAGE_SERVER", "RR_PARENT_RUN_ID", ENV_FLOW_RUN, "RR_STAGE_ITEM", ENV_STAGE_PROCESS, "PWD", "OLDPWD",
+               "SHLVL", "_")
 RUNTIME_ENV_PREFIXES = ("DVC_",)  # DVC_ROOT, DVC_STAGE: set by `dvc repro` for each stage
 # What the stages import at their module level or in their bodies; a missing one is skipped.
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.bert.modeling_bert", "datasets", "faiss",
@@ -333,6 +334,12 @@ def _reap(children: dict[int, socket.socket]) -> None:
         conn.close()
 
 
+def stage_server_running(env: dict[str, str] | None = None) -> bool:
+    """Whether a stage server was started for this process's children (RR_STAGE_SERVER holds its socket)."""
+    value = (env if env is not None else os.environ).get(ENV_SERVER, "")
+    return bool(value) and value.lower() not in OFF
+
+
 def stage_server_enabled(env: dict[str, str] | None = None) -> bool:
     """Whether the pipeline starts a stage server: Linux, and RR_STAGE_SERVER not switched off."""
     value = (env if env is not None else os.environ).get(ENV_SERVER, "")
@@ -384,6 +391,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modules", nargs="+", default=list(MODULE_PREFIXES), help="module name prefixes it runs")
     args = ap.parse_args(argv)
     serve(args.socket, tuple(args.preload) if args.preload is not None else PRELOAD, tuple(args.modules))
+    # The interpreter's own teardown of the preloaded libraries takes ~2 s at the end of every
+    # pipeline and frees nothing the OS does not: the server has no run, file or child left to close.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

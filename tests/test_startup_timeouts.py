@@ -125,6 +125,23 @@ def test_a_local_api_that_never_answers_names_the_knob(no_api, monkeypatch, tmp_
     assert "PREFECT_API_URL" not in os.environ
 
 
+def test_start_up_work_runs_while_the_local_api_starts(no_api, monkeypatch, tmp_path):
+    """`meanwhile` (the pipeline's stage server and tracking store) runs before the API answers, with
+    the URL that the stage processes will use already exported; with a running API it runs too."""
+    monkeypatch.setattr(no_api, "prefect_server_command", lambda port: [sys.executable, "-c", "import time; time.sleep(120)"])
+    monkeypatch.setenv("RR_START_TIMEOUT", "1")
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "before"))  # restored after the test
+    seen = []
+    with pytest.raises(RuntimeError, match="did not answer"):
+        with no_api.local_prefect_api(home=tmp_path / "prefect", meanwhile=lambda: seen.append(os.environ["PREFECT_API_URL"])):
+            pytest.fail("the API never answered")
+    assert len(seen) == 1 and seen[0].startswith("http://127.0.0.1:") and seen[0].endswith("/api")
+    assert "PREFECT_API_URL" not in os.environ
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    with no_api.local_prefect_api(home=tmp_path / "prefect", meanwhile=lambda: seen.append("with a running API")) as url:
+        assert url == "http://127.0.0.1:1/api" and seen[-1] == "with a running API"
+
+
 def test_a_local_api_that_exits_says_so_not_to_wait_longer(no_api, monkeypatch, tmp_path):
     monkeypatch.setattr(no_api, "prefect_server_command",
                         lambda port: [sys.executable, "-c", "import sys; print('port already in use'); sys.exit(3)"])
