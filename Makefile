@@ -5,6 +5,9 @@ PY    := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export OMP_NUM_THREADS ?= 2
 export TOKENIZERS_PARALLELISM ?= false
+# setup compiles no bytecode: each module's .pyc is written at its first import (scripts/setup.sh), so
+# a PYTHONDONTWRITEBYTECODE=1 in the caller's environment would make every process compile from source
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: help setup run test test-fast bench lock servers-up servers-down clean-outputs
 

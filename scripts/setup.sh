@@ -31,9 +31,14 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x "$VENV/bin/python" ] || $UV venv --quiet --python "$PY" "$VENV"
 echo "[setup] syncing $VENV to requirements/lock.txt"
-# --compile-bytecode: this environment may set PYTHONDONTWRITEBYTECODE=1, and imports are 2-4x slower without .pyc.
-VIRTUAL_ENV="$VENV" $UV pip sync --quiet --compile-bytecode "${find_links[@]}" requirements/lock.txt
-VIRTUAL_ENV="$VENV" $UV pip install --quiet --no-deps --compile-bytecode -e .
+# No --compile-bytecode: compiling the whole stack (26k files) takes ~27 s on 2 cores, and a run imports
+# a quarter of it. Python writes each module's .pyc at its first import instead (~14 s of one core,
+# spread over a run's first processes); the Makefile clears PYTHONDONTWRITEBYTECODE for its commands
+# so that it may. RR_COMPILE_BYTECODE=1 compiles everything here (a venv that will be read-only).
+compile=()
+[ "${RR_COMPILE_BYTECODE:-0}" = 1 ] && compile=(--compile-bytecode)
+VIRTUAL_ENV="$VENV" $UV pip sync --quiet "${compile[@]}" "${find_links[@]}" requirements/lock.txt
+VIRTUAL_ENV="$VENV" $UV pip install --quiet --no-deps "${compile[@]}" -e .
 echo "$want" > "$stamp"
 # the versions from the packages' metadata: importing the four libraries to print them cost ~4 s of every `make run`
 echo "[setup] done: $("$VENV/bin/python" -c 'from importlib.metadata import version as v; print(*(f"{n} {v(n)}" for n in ("torch", "transformers", "mlflow", "prefect")))')"
