@@ -296,6 +296,18 @@ def test_predict_after_overfit_and_closed_book(tok, blocks, block_vecs, collate)
     assert model.training  # predict restores the mode
 
 
+def test_closed_book_batches_skip_the_forward_with_the_answers_it_gives(tok, collate, monkeypatch):
+    """Fast path against the slow reference: a batch of null documents only decodes, from the
+    reader's real scores, to the answers the fast path returns without a forward."""
+    model = make_model(len(tok)).eval()
+    rows = [{**r, "block_rows": [NULL_ROW]} for r in ROWS[:3]]
+    batch, texts = collate(rows), [[None] for _ in rows]
+    with torch.no_grad():
+        slow = model._decode(model.joint_log_probs(batch), batch, texts)
+    monkeypatch.setattr(model, "joint_log_probs", lambda b: pytest.fail("a closed-book batch ran the reader"))
+    assert model.predict_batch(batch, texts) == slow and {p["answer"] for p in slow} == {""}
+
+
 def test_save_and_load_round_trip(tok, collate, tmp_path):
     model = make_model(len(tok))
     batch = collate(ROWS)

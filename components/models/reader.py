@@ -81,6 +81,7 @@ if TYPE_CHECKING:
 OPENQA_CONFIG = "openqa_config.json"
 SPAN_MLP_FILE = "span_mlp.safetensors"
 SPAN_SOFTMAX = ("per_block", "joint")
+NO_SPAN = {"answer": "", "block": -1, "start": -1, "end": -1, "score": float("-inf")}  # a question without a valid span
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,8 +324,16 @@ class OpenQA(nn.Module):
     @torch.no_grad()
     def predict_batch(self, batch: dict[str, torch.Tensor], block_texts: Sequence[Sequence[str | None]]) -> list[dict]:
         """Best span per question: [{"answer", "block", "start", "end", "score"}], score =
-        log p(z, s | x). No valid span (closed-book / null document only) -> answer ""."""
-        joint = self.joint_log_probs(batch)  # (B, K, L, A)
+        log p(z, s | x). No valid span (closed-book / null document only) -> answer "".
+        A batch with no passage at all (closed-book) skips the forward: every span lies in a passage,
+        so its answers are those the decode gives every null-document row (`_decode`)."""
+        if all(t is None for texts in block_texts for t in texts):
+            return [dict(NO_SPAN) for _ in block_texts]
+        return self._decode(self.joint_log_probs(batch), batch, block_texts)
+
+    @staticmethod
+    def _decode(joint: torch.Tensor, batch: dict[str, torch.Tensor], block_texts: Sequence[Sequence[str | None]]) -> list[dict]:
+        """The best span per question from the joint scores (B, K, L, A)."""
         B, K, L, A = joint.shape
         score, best = joint.reshape(B, -1).max(1)
         offsets = batch["z_char_offsets"]  # (B, K, L, 2)
@@ -333,7 +342,7 @@ class OpenQA(nn.Module):
             k, rem = divmod(int(best[b]), L * A)
             i, w = divmod(rem, A)
             if score[b] < NEG / 2 or k >= len(block_texts[b]) or block_texts[b][k] is None:
-                out.append({"answer": "", "block": -1, "start": -1, "end": -1, "score": float("-inf")})
+                out.append(dict(NO_SPAN))
                 continue
             s, e = int(offsets[b, k, i, 0]), int(offsets[b, k, i + w, 1])
             out.append({"answer": block_texts[b][k][s:e], "block": k, "start": i, "end": i + w, "score": float(score[b])})
