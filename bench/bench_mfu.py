@@ -12,8 +12,9 @@ What is measured, all in one process (issue 27 item 4):
               (bf16 tensors, no autocast casts in the way); best of `--repeats` per shape per round,
               and the best over all shapes and rounds is "the measured peak" of that precision.
     steps     full training steps as the shared Trainer runs them (components/training/trainer.py,
-              one micro-batch, one rank): autocast forward, loss.backward(), clip_grad_norm_, fused
-              AdamW.step(), zero_grad. The collate (and REALM's index search) is not in the step.
+              one micro-batch, one rank): its dropout masks (`--dropout-masks`, default the preset's
+              compute.dropout_masks: fast ones on a CPU), autocast forward, loss.backward(),
+              clip_grad_norm_, fused AdamW.step(), zero_grad. The collate (and REALM's index search) is not in the step.
     FLOPs     one forward + backward per model under torch.utils.flop_counter.FlopCounterMode: matmuls
               and attention, as executed (RetroMAE's fast path, which skips work no loss reads, counts
               less than 6 x params x tokens). The CPU's fused attention kernel, which FlopCounterMode
@@ -72,6 +73,7 @@ from components.data.tokenize import load_tokenizer  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 from components.models.biencoder import BiEncoder  # noqa: E402
 from components.models.encoder import warm_start_path  # noqa: E402
+from components.models.ops.dropout import fast_dropout_masks, use_fast_dropout  # noqa: E402
 from components.models.realm import REALM, KnowledgeAugmentedEncoder  # noqa: E402
 from components.models.retriever import Retriever  # noqa: E402
 from components.models.retromae import RetroMAE  # noqa: E402
@@ -309,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", default="params/small.yaml", help="preset merged over params.yaml for the shapes")
     ap.add_argument("--smoke", action="store_true", help="batches / 4, 1 warm-up step, 1 matmul repeat: does it run?")
     ap.add_argument("--out", default=None, help="default bench/results/mfu.json; with --smoke, nothing unless given")
+    ap.add_argument("--dropout-masks", choices=("auto", "torch", "fast"), default=None,
+                    help="as compute.dropout_masks (default: the preset's): the masks the Trainer's steps draw")
     args = ap.parse_args(argv)
     if args.smoke:
         args.warmup, args.repeats = min(args.warmup, 1), 1
@@ -330,7 +334,13 @@ def main(argv: list[str] | None = None) -> dict:
     div = 4 if args.smoke else 1
     t0 = time.perf_counter()
     models = {name: BUILDERS[name](params, warm, ids, div) for name in args.models}
-    print(f"built {', '.join(models)} in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()} "
+    masks = args.dropout_masks or params.compute.dropout_masks
+    fast = fast_dropout_masks(masks, DEVICE)
+    for m in models.values():  # the Trainer's module swap, so the steps are the stages' steps
+        if fast:
+            use_fast_dropout(m.module)
+    print(f"built {', '.join(models)} in {time.perf_counter() - t0:.1f}s; dropout_masks={masks} ({'fast' if fast else 'torch'}); "
+          f"threads={torch.get_num_threads()} "
           f"cpu={cpu_model()!r} native_bf16={native} steps={args.steps} warmup={args.warmup}"
           f"{' SMOKE (batches / 4)' if args.smoke else ''}", flush=True)
 
@@ -377,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
         "arms": results,
         "peak": {p: peak.report(p) for p in args.precisions},
         "goal": GOAL, "smoke": args.smoke, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-        "preset": args.preset, "warm_start": warm, "table": table,
+        "preset": args.preset, "warm_start": warm, "table": table, "dropout_masks": masks, "fast_dropout": fast,
         "env": {"cpu": cpu_model(), "native_bf16": native, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                 "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
                 "loadavg_start": load_start, "loadavg": os.getloadavg(), "commit": git_commit(),
