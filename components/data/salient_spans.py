@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal, Sequence, Union
 
+from components.io import write_json_atomic
+
 log = logging.getLogger(__name__)
 
 Span = tuple[int, int, str]
@@ -230,8 +232,6 @@ def _read_entities(path: Path, model: str, texts: list[str]) -> None:
 
 
 def _write_entities(path: Path, model: str, texts: list[str]) -> None:
-    from components.io import write_json_atomic  # noqa: PLC0415
-
     ents = {_text_key(t): _ENTITIES[(model, t)] for t in texts if (model, t) in _ENTITIES}
     write_json_atomic(path, {"pipeline": _pipeline_id(model), "entities": ents})
 
