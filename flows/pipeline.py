@@ -43,6 +43,7 @@ from components.config_file import PARAMS_FILE
 from components.paths import METRICS
 from components.tracking import ENV_PARENT, close_run, open_parent_run, prepare_store
 from components.tracking_server import tracking_uri
+from flows import run_main
 from flows._runtime import STAGES, local_prefect_api, prefect_tags
 from flows._stage import eval_rows, mlflow_run_url, publish_eval_artifacts
 from flows.set_params import apply_param_overrides, preset_overrides, preset_switch
@@ -398,4 +399,4 @@ def _prepare_tracking(preset: str | None, overrides: dict | None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)  # without the interpreter's teardown once the run is done (flows.run_main)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Iterator
 
 from components.tracking import ENV_FLOW_RUN, ENV_STAGE_PROCESS
+from flows import run_main
 
 ENV_SERVER = "RR_STAGE_SERVER"
 OFF = ("off", "0", "false", "no")
@@ -391,12 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modules", nargs="+", default=list(MODULE_PREFIXES), help="module name prefixes it runs")
     args = ap.parse_args(argv)
     serve(args.socket, tuple(args.preload) if args.preload is not None else PRELOAD, tuple(args.modules))
-    # The interpreter's own teardown of the preloaded libraries takes ~2 s at the end of every
-    # pipeline and frees nothing the OS does not: the server has no run, file or child left to close.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    # without the interpreter's teardown of the preloaded libraries (~2 s at the end of every pipeline)
+    run_main(main)

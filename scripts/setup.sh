@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with the exact pinned stack (requirements/lock.txt) and install this project into it.
 #
-#   bash scripts/setup.sh            # idempotent; ~1 min with a warm uv cache, a few minutes cold
+#   bash scripts/setup.sh            # idempotent; seconds with a warm uv cache (no bytecode compile, below), minutes cold
 #
 # CPU torch: if PIP_FIND_LINKS points at a folder holding the torch 2.13.0 CPU wheel, uv is told about it.
 # Otherwise set UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu for a CPU build, or install your

@@ -218,3 +218,43 @@ def test_a_signal_the_client_ignores_stays_ignored_in_the_stage(workdir, server)
     out, err = client.communicate(timeout=60)
     seen = json.loads(out.splitlines()[0])
     assert seen["ppid"] == proc.pid and seen["sighup_ignored"], (seen, err)
+
+
+def test_the_pipeline_starts_its_stage_server_and_tracking_store_while_the_prefect_api_starts(monkeypatch):
+    """`python -m flows.pipeline`: the stage server and the MLflow store's tables start inside
+    `local_prefect_api(meanwhile=)`, so the flow finds the server running and starts no second one.
+    `--only` starts none early, and a run that sets `tracking.*` leaves the store to its parent run.
+    The flow's own run id, which the flow exports after the server started, is read at run time."""
+    import contextlib
+
+    import flows.pipeline as fp
+    from flows.stage_server import ENV_SERVER
+
+    events = []
+
+    @contextlib.contextmanager
+    def api(meanwhile=None):
+        events.append("api starting")
+        meanwhile()
+        events.append("api ready")
+        yield "http://127.0.0.1:1/api"
+
+    @contextlib.contextmanager
+    def server(env):
+        events.append("stage server")
+        monkeypatch.setenv(ENV_SERVER, "/tmp/rr-test/server.sock")
+        yield "/tmp/rr-test/server.sock"
+        monkeypatch.delenv(ENV_SERVER)
+
+    monkeypatch.delenv(ENV_SERVER, raising=False)
+    monkeypatch.setattr(fp, "local_prefect_api", api)
+    monkeypatch.setattr(fp, "stage_server", server)
+    monkeypatch.setattr(fp, "prepare_store", lambda params: events.append("tracking store"))
+    monkeypatch.setattr(fp, "pipeline", lambda **kw: events.append(("flow", fp.stage_server_running())))
+    fp.main([])
+    assert events == ["api starting", "stage server", "tracking store", "api ready", ("flow", True)]
+    assert ENV_SERVER not in os.environ  # stopped after the flow
+    events.clear()
+    fp.main(["--only", "tokenize", "--set", "tracking.uri=http://127.0.0.1:5000"])
+    assert events == ["api starting", "api ready", ("flow", False)]
+    assert "RR_PREFECT_FLOW_RUN_ID" in RUNTIME_ENV
