@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.bench_mfu                          # all models, fp32 + bf16, 2 threads
     .venv/bin/python -m bench.bench_mfu --models retromae --precisions bf16 --steps 5
     .venv/bin/python -m bench.bench_mfu --smoke --threads 1 --steps 2 --models retromae --out /tmp/mfu.json
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.bench_mfu --compile --out bench/results/mfu_compile.json   # + torch.compile'd steps
 
 MFU = (FLOPs per step / median seconds per step) / peak FLOP/s of the same precision, goal >= 0.50.
 
@@ -33,7 +34,11 @@ by the same constructors the stages use:
                realm.train.batch_size x top_k = 8 x 4 candidates (slot 0 the null document),
                query_len 48, block_len 256: 32 reader rows of 304 tokens, 32 + 8 retriever rows
                (bench_step_parts' batch: full-length x with one masked span of 2-10 tokens)
-Every (model, precision) arm is timed once per round, in a rotating order, with one peak
+`--compile` adds a `compiled` variant of every arm: the same module (the same parameters and optimiser)
+behind `torch.compile` (inductor; C++ kernels on a CPU, so it needs a C++ compiler), whose first steps
+compile it (`compile_s`, reported apart, never timed as a step). Its FLOPs are the eager step's: the
+same computation, so the same count, and the two variants' MFU compare as their speeds do.
+Every (model, precision, variant) arm is timed once per round, in a rotating order, with one peak
 measurement per round, so load drift hits all alike. bf16 on a CPU without AVX512-BF16/AMX is
 emulated by oneDNN: it is still reported, with `native_bf16` false (and "(emulated)" in the table).
 Writes bench/results/mfu.json (or --out) atomically; `--smoke` shrinks the batches 4x, for a
@@ -207,6 +212,7 @@ class Model:
     train: Any  # the section's TrainParams (lr, betas, weight decay, max_grad_norm)
     shape: dict  # what the batch is, for the JSON
     opt: torch.optim.Optimizer | None = None
+    compiled: torch.nn.Module | None = None  # `--compile`: torch.compile(module), sharing its parameters
 
     def __post_init__(self):
         t = self.train
@@ -248,10 +254,14 @@ def build_realm(params: Params, warm: str, ids: SpecialTokens, div: int) -> Mode
 BUILDERS = {"retromae": build_retromae, "biencoder": build_biencoder, "realm": build_realm}
 
 
-def train_step(m: Model, precision: str) -> None:
+VARIANTS = ("eager", "compiled")
+
+
+def train_step(m: Model, precision: str, variant: str = "eager") -> None:
     """One optimiser step as Trainer._train_step_inner takes it (grad_accum 1, one rank)."""
+    module = m.compiled if variant == "compiled" else m.module
     with autocast_for(precision, DEVICE):
-        out = m.module(m.batch)
+        out = module(m.batch)
     out["loss"].float().backward()
     max_norm = m.train.max_grad_norm if m.train.max_grad_norm > 0 else float("inf")
     torch.nn.utils.clip_grad_norm_(m.module.parameters(), max_norm)
@@ -283,18 +293,18 @@ def verdict(mfu: float) -> str:
 
 
 def markdown(arms: dict, native: bool) -> str:
-    lines = ["| model | precision | FLOPs/step | s/step | achieved TFLOP/s | peak TFLOP/s | MFU | goal | verdict |",
-             "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| model | precision | variant | FLOPs/step | s/step | achieved TFLOP/s | peak TFLOP/s | MFU | goal | verdict |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     for a in arms.values():
         prec = a["precision"] + (" (emulated)" if a["precision"] == "bf16" and not native else "")
-        lines.append(f"| {a['model']} | {prec} | {a['flops'] / 1e9:.1f} G | {a['median_s']:.3f} | {a['achieved_tflops']:.3f} "
+        lines.append(f"| {a['model']} | {prec} | {a['variant']} | {a['flops'] / 1e9:.1f} G | {a['median_s']:.3f} | {a['achieved_tflops']:.3f} "
                      f"| {a['peak_tflops']:.3f} | {a['mfu']:.3f} | >= {GOAL:.2f} | {a['verdict']} |")
     return "\n".join(lines)
 
 
 def readme_rows(arms: dict, threads: int) -> str:
     """Rows in bench/README.md's format (benchmark | measure | value | goal | verdict)."""
-    return "\n".join(f"| mfu | {a['model']} train step MFU, small/cpu/{a['precision']}/t{threads} (of the measured matmul "
+    return "\n".join(f"| mfu | {a['model']} train step MFU, small/cpu/{a['precision']}/{a['variant']}/t{threads} (of the measured matmul "
                      f"peak, {a['peak_tflops']:.3f} TFLOP/s) | {a['mfu']:.3f} | >= {GOAL:.2f} | {a['verdict']} |"
                      for a in arms.values())
 
@@ -313,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="default bench/results/mfu.json; with --smoke, nothing unless given")
     ap.add_argument("--dropout-masks", choices=("auto", "torch", "fast"), default=None,
                     help="as compute.dropout_masks (default: the preset's): the masks the Trainer's steps draw")
+    ap.add_argument("--compile", action="store_true", help="also time each step through torch.compile(model) (inductor)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.warmup, args.repeats = min(args.warmup, 1), 1
@@ -339,6 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
     for m in models.values():  # the Trainer's module swap, so the steps are the stages' steps
         if fast:
             use_fast_dropout(m.module)
+        if args.compile:
+            m.compiled = torch.compile(m.module)
+    variants = VARIANTS if args.compile else VARIANTS[:1]
     print(f"built {', '.join(models)} in {time.perf_counter() - t0:.1f}s; dropout_masks={masks} ({'fast' if fast else 'torch'}); "
           f"threads={torch.get_num_threads()} "
           f"cpu={cpu_model()!r} native_bf16={native} steps={args.steps} warmup={args.warmup}"
@@ -350,35 +364,45 @@ def main(argv: list[str] | None = None) -> dict:
             "reader": params.realm.train.batch_size * params.realm.top_k * (params.realm.query_len + params.realm.block_len)}
     peak = Peak(peak_shapes(cfg, {k: max(1, v // div) for k, v in rows.items()}), args.precisions, args.repeats)
 
-    arms = [(m, p) for m in models for p in args.precisions]
-    counts = {}
-    for m, p in arms:
-        for _ in range(args.warmup):
-            train_step(models[m], p)
-        counts[m, p] = count_step_flops(models[m].module, models[m].batch, p)
-        print(f"  {m}/{p}: {counts[m, p]['flops'] / 1e9:.1f} GFLOP fwd+bwd, {counts[m, p]['tokens']} tokens"
-              + (f", UNCOUNTED {counts[m, p]['uncounted_ops']}" if counts[m, p]["uncounted_ops"] else ""), flush=True)
+    counts, compile_s = {}, {}
+    for m in models:
+        for p in args.precisions:
+            for _ in range(args.warmup):
+                train_step(models[m], p)
+            counts[m, p] = count_step_flops(models[m].module, models[m].batch, p)
+            print(f"  {m}/{p}: {counts[m, p]['flops'] / 1e9:.1f} GFLOP fwd+bwd, {counts[m, p]['tokens']} tokens"
+                  + (f", UNCOUNTED {counts[m, p]['uncounted_ops']}" if counts[m, p]["uncounted_ops"] else ""), flush=True)
+            if args.compile:  # the first compiled step compiles (and autocast's dtype is part of the graph)
+                t = time.perf_counter()
+                train_step(models[m], p, "compiled")
+                compile_s[m, p] = time.perf_counter() - t
+                for _ in range(args.warmup):
+                    train_step(models[m], p, "compiled")
+                print(f"  {m}/{p}/compiled: first step (compiling) {compile_s[m, p]:.1f}s", flush=True)
+    arms = [(m, p, v) for m in models for p in args.precisions for v in variants]
 
     wall = {a: [] for a in arms}
     cpu = {a: [] for a in arms}
     for r in range(args.steps):
         peak.measure()
-        for m, p in arms[r % len(arms):] + arms[: r % len(arms)]:  # rotate who goes first
-            w, c = timed(lambda: train_step(models[m], p), DEVICE)
-            wall[m, p].append(w)
-            cpu[m, p].append(c)
-        print(f"  round {r + 1}/{args.steps}: " + "  ".join(f"{m}/{p}={wall[m, p][-1]:.2f}s" for m, p in arms)
+        for m, p, v in arms[r % len(arms):] + arms[: r % len(arms)]:  # rotate who goes first
+            w, c = timed(lambda: train_step(models[m], p, v), DEVICE)
+            wall[m, p, v].append(w)
+            cpu[m, p, v].append(c)
+        print(f"  round {r + 1}/{args.steps}: " + "  ".join(f"{'/'.join(a)}={wall[a][-1]:.2f}s" for a in arms)
               + "  peak " + " ".join(f"{p}={peak.best(p):.3f}" for p in args.precisions) + " TFLOP/s", flush=True)
 
     results = {}
-    for m, p in arms:
-        st = summarize(wall[m, p], counts[m, p]["tokens"])
+    for m, p, v in arms:
+        st = summarize(wall[m, p, v], counts[m, p]["tokens"])
         achieved = counts[m, p]["flops"] / st["median_s"] / 1e12
         mfu = achieved / peak.best(p)
-        results[f"{m}/{p}"] = {
-            "model": m, "precision": p, **counts[m, p], **st, "cpu_time": summarize(cpu[m, p], counts[m, p]["tokens"]),
+        key = f"{m}/{p}" if v == "eager" else f"{m}/{p}/{v}"  # eager keeps the keys of the JSONs before --compile
+        results[key] = {
+            "model": m, "precision": p, "variant": v, **counts[m, p], **st,
+            "cpu_time": summarize(cpu[m, p, v], counts[m, p]["tokens"]),
             "achieved_tflops": achieved, "peak_tflops": peak.best(p), "mfu": mfu, "goal": GOAL, "verdict": verdict(mfu),
-            "shape": models[m].shape,
+            "shape": models[m].shape, **({"compile_s": compile_s[m, p]} if v == "compiled" else {}),
         }
     table = markdown(results, native)
     print("\n" + table + "\n\nREADME rows:\n" + readme_rows(results, torch.get_num_threads()))
@@ -388,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak": {p: peak.report(p) for p in args.precisions},
         "goal": GOAL, "smoke": args.smoke, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
         "preset": args.preset, "warm_start": warm, "table": table, "dropout_masks": masks, "fast_dropout": fast,
+        "compile": args.compile,
         "env": {"cpu": cpu_model(), "native_bf16": native, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                 "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
                 "loadavg_start": load_start, "loadavg": os.getloadavg(), "commit": git_commit(),
