@@ -448,7 +448,7 @@ def main() -> None:
     if baselines:
         res["against"] = against(records, baselines)
     write_text_atomic(str(RESULTS).format(name=name), json.dumps(res, indent=1))
-    if res["label_efficiency"]:  # the curve over seeds: what docs/results.md shows
+    if any(p["kind"] == "fine-tuned" for p in res["label_efficiency"]):  # the curve over seeds (not a run without fine-tunes)
         write_plots(Path(str(ARCHIVE).format(name=name)), label_efficiency=res["label_efficiency"])
     print(markdown(res))
 
