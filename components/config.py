@@ -32,6 +32,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -39,7 +40,8 @@ from pydantic import BaseModel, ValidationError, model_validator
 
 from components.config_file import (PARAMS_FILE, TRAIN_BLOCKS, TRAINER, ParamsError, inherit_trainer, inherited_keys,
                                     read_yaml, removed_key_message)
-from components.config_shared import ComputeParams, Section, TrackingParams, TrainerParams, WarmStartParams
+from components.config_shared import (ComputeParams, Section, TrackingParams, TrainerParams, WarmStartParams, batch_keys,
+                                      batch_split_error)
 from components.config_stages import (DataParams, EvaluateParams, FinetuneParams, MLMParams, RealmParams,
                                       RetroMAEParams, TokenizeParams)
 
@@ -83,6 +85,33 @@ class Params(Section):
                              f"or tokenize.retrieval_block_len <= {self.realm.block_len - 2}")
         return self
 
+    def train_phases(self) -> list[str]:
+        """The training phases these params run, by their Trainer's `param_prefix` (`batch_keys` names
+        each one's batch and grad_accum keys)."""
+        r, ft = self.realm, self.finetune
+        return ["retromae.train", "realm.train", "finetune.train",
+                *(["realm.ict"] if r.ict_steps else []), *(["realm.reader_warmup"] if r.reader_warmup_steps else []),
+                *(["finetune.qa_gold"] if ft.qa_enabled and ft.qa_gold_steps else []),
+                *(["finetune.qa_train"] if ft.qa_enabled else [])]
+
+    def value(self, key: str) -> Any:
+        """The value at a dotted key (`realm.train.grad_accum`)."""
+        node: Any = self
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+    @model_validator(mode="after")
+    def _check_batches_split(self) -> "Params":
+        # Each phase cuts its global batch into nproc x nnodes ranks x grad_accum micro-batches. Checked
+        # here so that a batch that does not divide fails when params load, not minutes into a stage.
+        world = self.compute.nproc * self.compute.nnodes
+        errors = [why for phase in self.train_phases()
+                  if (why := batch_split_error(phase, *map(self.value, batch_keys(phase)), world))]
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
     def section_digest(self, *sections: str) -> str:
         """sha256 over the named sections (all when none): tags runs with what they were given."""
         names = sections or tuple(type(self).model_fields)
@@ -117,6 +146,9 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
     return out
 
 
+_NAMES_ITS_KEY = re.compile(r"^[a-z_]+(\.[a-z_]+)+=")
+
+
 def _format_errors(err: ValidationError, source: str, inherited: dict[str, str] | None = None) -> str:
     """One line per invalid key. A value a trainer block takes from the `trainer` group is named once,
     at the group (`inherited`: {`<block>.<key>`: `trainer.<key>`}, validated with the same bounds), not
@@ -148,6 +180,12 @@ def _format_errors(err: ValidationError, source: str, inherited: dict[str, str] 
             msg = f"{msg} (got {e.get('input')!r})"
         elif "input" in e and not isinstance(e["input"], dict):
             msg = f"{msg} (got {e['input']!r})"
+        elif e["type"] == "value_error":
+            # a validator's message, one line per key it names (`key=value ...`): listed as they are
+            found = msg.removeprefix("Value error, ").splitlines()
+            if all(_NAMES_ITS_KEY.match(line) for line in found):
+                lines += [f"  - {line}" for line in found]
+                continue
         lines.append(f"  - {key}: {msg}")
     return "\n".join([f"{source}: {len(lines)} invalid param(s):", *lines])
 

@@ -147,6 +147,35 @@ class TrainerParams(Section):
     num_workers: int = Field(ge=0)
 
 
+# The params.yaml keys of a training phase's global batch and of the grad_accum that splits it, by the
+# phase's Trainer `param_prefix`: `<phase>.batch_size` and `<phase>.grad_accum`, except for the short
+# phases that take their batch from one key and the rest of their knobs from another stage's block.
+BORROWED_BATCH_KEYS: dict[str, tuple[str, str]] = {
+    "warm_start.head_warmup": ("retromae.train.batch_size", "retromae.train.grad_accum"),
+    "realm.ict": ("realm.ict_batch_size", "realm.train.grad_accum"),
+    "realm.reader_warmup": ("realm.reader_warmup_batch_size", "realm.train.grad_accum"),
+    "finetune.qa_gold": ("finetune.qa_gold_batch_size", "finetune.qa_train.grad_accum"),
+}
+
+
+def batch_keys(phase: str) -> tuple[str, str]:
+    """(batch key, grad_accum key) of the training phase `phase` (a Trainer's `param_prefix`)."""
+    return BORROWED_BATCH_KEYS.get(phase, (f"{phase}.batch_size", f"{phase}.grad_accum"))
+
+
+def batch_split_error(phase: str, batch_size: int, grad_accum: int, world_size: int) -> str | None:
+    """Why phase's global batch cannot be cut into world_size ranks x grad_accum equal micro-batches,
+    naming the keys a user sets; None when it can."""
+    div = world_size * grad_accum
+    if batch_size % div == 0:
+        return None
+    batch_key, accum_key = batch_keys(phase)
+    per_rank = batch_size // world_size
+    other = f", or a {accum_key} that divides {per_rank}" if batch_size % world_size == 0 else ""
+    return (f"{batch_key}={batch_size} (the global batch per optimiser step of {phase}) must be divisible by "
+            f"world_size ({world_size}) x {accum_key} ({grad_accum}) = {div}: pick {batch_key} as a multiple of {div}{other}")
+
+
 class TrainParams(TrainerParams):
     """A training stage's trainer: its own knobs, and the shared `trainer` ones (set here, they override
     the group for this stage only). Each training stage has its own block."""

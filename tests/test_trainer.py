@@ -68,7 +68,10 @@ def test_batch_size_must_divide_by_world_and_accum(tmp_path):
     with pytest.raises(ValueError, match=r"train\.batch_size=10.*grad_accum \(3\)"):
         make_trainer(tmp_path, batch_size=10, grad_accum=3)
     with pytest.raises(ValueError, match=r"retromae\.train\.batch_size=6"):
-        micro_batch_size(tp(batch_size=6, grad_accum=4), 1, prefix="retromae.train")
+        micro_batch_size(tp(batch_size=6, grad_accum=4), 1, phase="retromae.train")
+    # a phase that borrows its grad_accum (the reader warm-up: realm.train's) names the keys a user sets
+    with pytest.raises(ValueError, match=r"^realm\.reader_warmup_batch_size=6 .* realm\.train\.grad_accum \(4\)"):
+        micro_batch_size(tp(batch_size=6, grad_accum=4), 1, phase="realm.reader_warmup")
 
 
 def test_no_weight_decay_on_bias_and_layernorm_tied_listed_once():

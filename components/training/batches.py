@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from components.config_shared import TrainParams
+from components.config_shared import TrainParams, batch_split_error
 
 
 def seed_everything(seed: int) -> None:
@@ -34,16 +34,12 @@ def mix_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def micro_batch_size(train: TrainParams, world_size: int, prefix: str = "train") -> int:
-    """Per-rank micro batch = batch_size / (world_size * grad_accum); must divide exactly."""
-    div = world_size * train.grad_accum
-    if train.batch_size % div:
-        raise ValueError(
-            f"{prefix}.batch_size={train.batch_size} (the global batch per optimiser step) must be divisible "
-            f"by world_size ({world_size}) x {prefix}.grad_accum ({train.grad_accum}) = {div}; "
-            f"pick {prefix}.batch_size as a multiple of {div}"
-        )
-    return train.batch_size // div
+def micro_batch_size(train: TrainParams, world_size: int, phase: str = "train") -> int:
+    """Per-rank micro batch = batch_size / (world_size * grad_accum); must divide exactly (the error
+    names phase's own keys: `batch_keys`)."""
+    if why := batch_split_error(phase, train.batch_size, train.grad_accum, world_size):
+        raise ValueError(why)
+    return train.batch_size // (world_size * train.grad_accum)
 
 
 class StepSampler:
