@@ -110,3 +110,43 @@ def test_the_filter_needs_the_counts_and_a_sane_range():
         rq.make_query(_row("b0"), _params(lo=1), np.random.default_rng(0), mask_token_id=MASK)
     with pytest.raises(ParamsError, match="span_min_other_blocks=3"):
         load_params(ROOT / "params.yaml", overrides={"realm.span_min_other_blocks": 3, "realm.span_max_other_blocks": 1})
+
+
+def test_the_collator_redraws_a_row_that_drew_no_query_and_keeps_every_other_draw(blocks):
+    """With the filter, whether x shows the answer twice depends on the window drawn: b5 ("Gamma ran far .
+    Then Gamma slept .") in 6-token windows draws no query 28% of the time. The collator draws such a row
+    again from its own stream, so a micro-batch of one such row is never empty, and the rows whose first
+    draw gave a query keep exactly that query (the committed recipe's draws are unchanged)."""
+    import torch
+
+    from components.data.realm_batch import RealmCollator
+    from components.data.realm_query import QUERY_REDRAWS
+    from components.training.warmups import ReaderWarmupCollator
+
+    p = _params(lo=1).model_copy(update={"query_len": 8})
+    special = SpecialTokens(pad=0, cls=2, sep=3, mask=MASK)
+    collator = RealmCollator(blocks, p, special, retriever=None, search=None)
+    rows, first_none = [0, 5, 2], 0
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        direct = [rq.make_query(blocks[r], p, rng, mask_token_id=MASK, row=r, span_blocks=collator.span_blocks) for r in rows]
+        got = collator.queries(rows, np.random.default_rng(seed), seed)
+        assert [q.source_row for q in got] == rows  # every row gives one
+        for d, g in zip(direct, got):
+            first_none += d is None
+            assert d is None or (d.input_ids, d.labels, d.masked) == (g.input_ids, g.labels, g.masked)
+        again = collator.queries(rows, np.random.default_rng(seed), seed)
+        assert [(q.input_ids, q.labels) for q in again] == [(q.input_ids, q.labels) for q in got]  # a resume draws the same
+    assert first_none > 5  # the redraw was exercised, not only the first draws
+
+    # the reader warm-up draws its queries the same way
+    warmup = ReaderWarmupCollator(blocks, p.model_copy(update={"reader_warmup_doc_len": 0}), special)
+    for seed in range(20):
+        assert [q.source_row for q, _ in warmup.examples([5, 5], np.random.default_rng(seed), seed)] == [5, 5]
+
+    # a block that can never give a query (Delta: no other block holds it) leaves the micro-batch empty:
+    # a clear error naming the knobs, not a reshape error deep in the model
+    for collate, phase in ((collator, "realm.train"), (warmup, "realm.reader_warmup")):
+        with pytest.raises(RuntimeError, match=rf"blocks \[3\] gave no masked query in {1 + QUERY_REDRAWS} draws each, so "
+                                               rf"this micro-batch of {re.escape(phase)} is empty.*realm\.train\.grad_accum"):
+            collate([3], torch.Generator().manual_seed(0))

@@ -3,7 +3,7 @@
 The flow of one training step (the index search stays outside the model so a fresh index can be
 swapped in asynchronously, `refresh_index`):
 
-    queries = [make_query(blocks[r], p, rng, mask_token_id=..., row=r) for r in rows]   # drop Nones
+    queries = [draw_query(blocks[r], p, rng, seed=..., mask_token_id=..., row=r) for r in rows]  # none: drawn again
     x = collate_queries(queries, p, special)                      # [CLS] masked x [SEP]
     q = retriever.encode_query(x["x_input_ids"], x["x_attention_mask"])  # no grad, (B, d)
     cand = retrieve_candidates(q, index.search, [q.source_row for q in queries], p.top_k)  # (B, K)
@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from components.data.realm_query import RealmQuery, make_query, span_block_counts
+from components.data.realm_query import RealmQuery, draw_query, empty_batch_error, span_block_counts
 from components.data.special_tokens import IGNORE_INDEX, MISSING_ROW, NULL_ROW, SpecialTokens
 from components.data.token_spans import as_list
 
@@ -229,13 +229,11 @@ class RealmCollator:
         self.query_encoder = query_encoder  # () -> the tower that embeds x for the search; None: `retriever`
         self.span_blocks = span_block_counts(blocks, p)
 
-    def queries(self, rows: list[int], rng: np.random.Generator) -> list[RealmQuery]:
-        out = []
-        for r in rows:
-            q = make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r), span_blocks=self.span_blocks)
-            if q is not None:  # eligible rows give one in salient-span mode (span_max_other_blocks: almost always)
-                out.append(q)
-        return out
+    def queries(self, rows: list[int], rng: np.random.Generator, seed: int = 0) -> list[RealmQuery]:
+        """One masked query per row (`draw_query`: a row that draws none draws again)."""
+        drawn = (draw_query(self.blocks[int(r)], self.p, rng, seed=seed, mask_token_id=self.special.mask, row=int(r),
+                            span_blocks=self.span_blocks) for r in rows)
+        return [q for q in drawn if q is not None]
 
     def batch(self, queries: list[RealmQuery], search=None, retriever=None) -> dict[str, torch.Tensor]:
         """The batch for `queries`; `search` / `retriever` default to the current index and the
@@ -247,5 +245,8 @@ class RealmCollator:
         return build_batch(queries, retriever, search or self.search, self.lookup, self.p, self.special, device)
 
     def __call__(self, rows: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        rng = np.random.default_rng(generator.initial_seed() if generator is not None else 0)
-        return self.batch(self.queries(rows, rng))
+        seed = generator.initial_seed() if generator is not None else 0
+        queries = self.queries(rows, np.random.default_rng(seed), seed)
+        if not queries:
+            raise empty_batch_error(rows, "realm.train")
+        return self.batch(queries)

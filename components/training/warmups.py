@@ -28,7 +28,8 @@ from torch import nn
 from components.config import Params
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
 from components.data.realm_batch import NULL_ROW, collate
-from components.data.realm_query import RealmQuery, iter_block_rows, make_query, masked_answer, span_block_counts, unmasked_spans
+from components.data.realm_query import (RealmQuery, draw_query, empty_batch_error, iter_block_rows, masked_answer,
+                                         span_block_counts, unmasked_spans)
 from components.data.salient_spans import TaggerLike, span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.data.token_spans import block_spans
@@ -163,11 +164,12 @@ class ReaderWarmupCollator:
                 i += 1
         return dataclasses.replace(q, labels=labels), out
 
-    def examples(self, rows: list[int], rng: np.random.Generator) -> list[tuple[RealmQuery, list[int]]]:
-        """(query, document tokens) per row that yields a query."""
+    def examples(self, rows: list[int], rng: np.random.Generator, seed: int = 0) -> list[tuple[RealmQuery, list[int]]]:
+        """(query, document tokens) per row that yields a query (`draw_query`: a row that draws none draws again)."""
         out = []
         for r in rows:
-            q = make_query(self.blocks[int(r)], self.p, rng, mask_token_id=self.special.mask, row=int(r), span_blocks=self.span_blocks)
+            q = draw_query(self.blocks[int(r)], self.p, rng, seed=seed, mask_token_id=self.special.mask, row=int(r),
+                           span_blocks=self.span_blocks)
             if q is None:
                 continue
             z = [int(t) for t in self.lookup[self.document(q, rng)]["input_ids"]]
@@ -185,8 +187,11 @@ class ReaderWarmupCollator:
         return x.masked_fill(pick, self.special.mask), torch.where(pick, x, labels)
 
     def __call__(self, rows: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        rng = np.random.default_rng(generator.initial_seed() if generator is not None else 0)
-        examples = self.examples(rows, rng)
+        seed = generator.initial_seed() if generator is not None else 0
+        rng = np.random.default_rng(seed)
+        examples = self.examples(rows, rng, seed)
+        if not examples:
+            raise empty_batch_error(rows, "realm.reader_warmup")
         slots = np.asarray([[NULL_ROW, i] for i in range(len(examples))], dtype=np.int64).reshape(len(examples), 2)
         # only the reader reads here: no document-tower input (doc_input body)
         batch = collate([q for q, _ in examples], slots, [z for _, z in examples], self.p.model_copy(update={"doc_input": "body"}),
