@@ -85,7 +85,9 @@ def _groups(stages: set[str]) -> set[str]:
     ("small", {"tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", *_ALL_FT, "evaluate"}),
 ])
 def test_a_preset_switch_dirties_exactly_the_stages_whose_values_change(tmp_path, preset, expected):
-    ws = _locked_workspace(tmp_path)
+    # The preset's keys over tiny's world (not `--preset`'s switch, which also resets tiny's own keys):
+    # tiny's ICT stays on, so its batch must split under small's realm.train.grad_accum (8) too.
+    ws = _locked_workspace(tmp_path, {"realm.ict_batch_size": 8})
     before = yaml.safe_load((ws / "params.yaml").read_text())
     apply_param_overrides(preset_overrides(str(ws / "params" / f"{preset}.yaml")), path=str(ws / "params.yaml"))
     after = yaml.safe_load((ws / "params.yaml").read_text())
