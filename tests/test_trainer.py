@@ -214,6 +214,12 @@ def test_cuda_oom_is_reraised_with_advice(tmp_path):
     msg = str(e.value)
     for hint in ("train.grad_accum", "train.batch_size", "max_len", "compute.precision", "Tried to allocate"):
         assert hint in msg
+    # a phase that borrows its knobs (the reader warm-up) names the keys a user sets
+    warmup = Trainer(OOM(), make_rows(), fixed_mask_collate, tp(grad_accum=2), CPU, tmp_path / "warmup", progress=False,
+                     param_prefix="realm.reader_warmup")
+    with pytest.raises(torch.OutOfMemoryError, match=r"raise realm\.train\.grad_accum \(same global batch\) or lower "
+                                                     r"realm\.reader_warmup_batch_size;"):
+        warmup.fit()
 
 
 def test_hf_dataset_rows_match_a_list():

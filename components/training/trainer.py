@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
-from components.config_shared import ComputeParams, TrainParams
+from components.config_shared import ComputeParams, TrainParams, batch_keys
 from components.models.encoder import set_attention_dropout
 from components.models.ops.dropout import fast_dropout_masks, use_fast_dropout
 from components.progress import PROGRESS_EVERY_S, progress_line
@@ -276,11 +276,11 @@ class Trainer:
             self._train_step_inner(batches)
         except torch.OutOfMemoryError as e:
             self.optimizer.zero_grad(set_to_none=True)
-            p = self.prefix
+            batch_key, accum_key = batch_keys(self.prefix)
             raise torch.OutOfMemoryError(
                 f"out of memory at step {self.step} (per-rank micro batch {self.micro_batch}, "
-                f"{p}.grad_accum={self.train.grad_accum}, precision={self.precision}). Lower the memory per "
-                f"micro-batch: raise {p}.grad_accum (same global batch) or lower {p}.batch_size; lower the "
+                f"{accum_key}={self.train.grad_accum}, precision={self.precision}). Lower the memory per "
+                f"micro-batch: raise {accum_key} (same global batch) or lower {batch_key}; lower the "
                 f"stage's max_len (sequence length); or set compute.precision=bf16 (fp16 on GPUs without bf16). "
                 f"Original error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             ) from e
