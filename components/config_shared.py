@@ -152,7 +152,7 @@ class TrainerParams(Section):
 # phases that take their batch from one key and the rest of their knobs from another stage's block.
 BORROWED_BATCH_KEYS: dict[str, tuple[str, str]] = {
     "warm_start.head_warmup": ("retromae.train.batch_size", "retromae.train.grad_accum"),
-    "realm.ict": ("realm.ict_batch_size", "realm.train.grad_accum"),
+    "realm.ict": ("realm.ict_batch_size", "realm.ict_grad_accum"),  # its own: accumulation would shrink its negatives
     "realm.reader_warmup": ("realm.reader_warmup_batch_size", "realm.train.grad_accum"),
     "finetune.qa_gold": ("finetune.qa_gold_batch_size", "finetune.qa_train.grad_accum"),
 }

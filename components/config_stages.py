@@ -180,7 +180,10 @@ class RealmParams(Section):
                            "for `ict` (ORQA/REALM), RetroMAE towers + ICT for `retromae`; 0 = none")
     ict_mask_rate: float = Field(ge=0, le=1)
     ict_lr: float = Field(gt=0, le=1.0)
-    ict_batch_size: int = Field(ge=2, description="ICT's negatives are the other contexts of the batch")
+    ict_batch_size: int = Field(ge=2, description="ICT's global batch per optimiser step")
+    ict_grad_accum: int = Field(ge=1, description="micro-batches per ICT step per rank. A query's negatives are the "
+                                "other contexts of its micro-batch (ict_batch_size / (ranks x ict_grad_accum) of them), "
+                                "so 1 on one process keeps the whole batch's; split only for memory")
     ict_query_len: int | None = Field(ge=8, description="tokens of ICT's pseudo-query sentence incl. specials (ORQA: 64); "
                                       "null = query_len")
     reader_warmup_steps: int = Field(ge=0, description="steps that train the knowledge-augmented encoder alone on "

@@ -36,6 +36,10 @@ def test_real_params_yaml_is_valid_and_complete():
      ["realm.reader_warmup_batch_size=8 (the global batch per optimiser step of realm.reader_warmup) must be divisible "
       "by world_size (1) x realm.train.grad_accum (12) = 12: pick realm.reader_warmup_batch_size as a multiple of 12, "
       "or a realm.train.grad_accum that divides 8"]),
+    # ICT's is its own (accumulating would shrink its in-batch negatives): realm.train's 8 is not checked against it
+    ({"realm.ict_steps": 10, "realm.ict_grad_accum": 3, "realm.train.batch_size": 16, "realm.train.grad_accum": 8},
+     ["realm.ict_batch_size=32 (the global batch per optimiser step of realm.ict) must be divisible by world_size (1) "
+      "x realm.ict_grad_accum (3) = 3: pick realm.ict_batch_size as a multiple of 3, or a realm.ict_grad_accum that divides 32"]),
     ({"finetune.qa_gold_batch_size": 6, "finetune.qa_train.grad_accum": 4},
      ["finetune.qa_gold_batch_size=6 (the global batch per optimiser step of finetune.qa_gold) must be divisible by "
       "world_size (1) x finetune.qa_train.grad_accum (4) = 4: pick finetune.qa_gold_batch_size as a multiple of 4, "

@@ -123,6 +123,32 @@ def test_ict_collator_removes_the_query_sentence_from_its_context(world):
             assert d == want[: p.block_len - 2]
 
 
+@pytest.mark.parametrize("ict_accum, micro", [(1, 4), (2, 2)])
+def test_ict_negatives_are_its_own_micro_batch_not_realm_trains(world, tmp_path, monkeypatch, ict_accum, micro):
+    """ICT's in-batch negatives are the other contexts of its micro-batch. realm.ict_grad_accum splits
+    its batch; realm.train.grad_accum (REALM's memory knob: 2 here) does not."""
+    from components.data.tokenize import load_tokenizer
+    from components.models.ict import ICTModel
+    from components.models.realm import tiny_bert_config
+    from components.training.warmups import ict_warmup
+
+    p = tiny_params(**{"realm.ict_steps": 1, "realm.ict_batch_size": 4, "realm.ict_grad_accum": ict_accum,
+                       "realm.train.grad_accum": 2})
+    blocks, sp = _world_blocks(world)
+    seen: list[int] = []
+    forward = ICTModel.forward
+
+    def counting_forward(self, batch):
+        seen.append(batch["q_input_ids"].shape[0])
+        return forward(self, batch)
+
+    monkeypatch.setattr(ICTModel, "forward", counting_forward)
+    vocab = len(load_tokenizer(world / "data/tokens/tokenizer"))
+    retriever = Retriever.from_config(tiny_bert_config(vocab_size=vocab), retriever_dim=8)
+    summary = ict_warmup(retriever, blocks, p, sp, tmp_path / "ict")
+    assert summary["ict_steps"] == 1 and seen == [micro] * ict_accum
+
+
 def test_reader_warmup_reads_the_own_block_and_its_loss_is_the_masked_lm_loss(world):
     from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from components.config import Params
+from components.config_shared import batch_keys
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
 from components.data.realm_batch import NULL_ROW, collate
 from components.data.realm_query import (RealmQuery, draw_query, empty_batch_error, iter_block_rows, masked_answer,
@@ -41,14 +42,16 @@ from components.training.trainer import LogFn, Trainer, prefixed
 
 
 def run_warmup(model: nn.Module, rows: list[int], collator, params: Params, out_dir: Path, log_fn: LogFn | None = None, *,
-               name: str, steps: int, lr: float, batch_size: int, report: tuple[str, ...]) -> dict:
+               name: str, steps: int, lr: float, report: tuple[str, ...]) -> dict:
     """One warm-up on the shared Trainer (resumable, own checkpoints in `out_dir`, the rest of
-    `realm.train` for the other knobs), its metrics logged through `log_fn` as `{name}_*`. Returns
-    `{name}_steps` and `{name}_final_<m>` for each metric m in `report`."""
-    p = params.realm
-    train = phase_params(p.train, steps, lr, batch_size=batch_size)
+    `realm.train` for the other knobs), its metrics logged through `log_fn` as `{name}_*`. Its batch and
+    grad_accum are the keys `batch_keys("realm.<name>")` names, the ones the params' batch-split check
+    reads. Returns `{name}_steps` and `{name}_final_<m>` for each metric m in `report`."""
+    prefix = f"realm.{name}"
+    batch_key, accum_key = batch_keys(prefix)
+    train = phase_params(params.realm.train, steps, lr, batch_size=params.value(batch_key), grad_accum=params.value(accum_key))
     trainer = Trainer(model, rows, collator, train, params.compute, out_dir, log_fn=prefixed(log_fn, f"{name}_"),
-                      log_every=params.tracking.log_every, param_prefix=f"realm.{name}", progress=False,
+                      log_every=params.tracking.log_every, param_prefix=prefix, progress=False,
                       progress_every=params.tracking.progress_every)
     result = trainer.fit()
     return {f"{name}_steps": result.step, f"{name}_resumed_from": result.resumed_from or 0,
@@ -68,7 +71,7 @@ def ict_warmup(retriever: Retriever, blocks, params: Params, special: SpecialTok
         raise ValueError(f"ICT needs at least realm.ict_batch_size={p.ict_batch_size} blocks with two sentences "
                          f"(held-out blocks excluded); found {len(rows)}: lower realm.ict_batch_size or set realm.ict_steps to 0")
     return run_warmup(ICTModel(retriever), rows, ICTCollator(blocks, p, special, p.ict_mask_rate), params, out_dir, log_fn,
-                      name="ict", steps=p.ict_steps, lr=p.ict_lr, batch_size=p.ict_batch_size, report=("loss", "ict_acc"))
+                      name="ict", steps=p.ict_steps, lr=p.ict_lr, report=("loss", "ict_acc"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,4 +236,4 @@ def reader_warmup(reader: KnowledgeAugmentedEncoder, blocks, rows: list[int], pa
     collator = ReaderWarmupCollator(blocks, p, special, spans, set(rows))
     return run_warmup(ReaderWarmupModel(reader), rows, collator, params, out_dir, log_fn,
                       name="reader_warmup", steps=p.reader_warmup_steps, lr=p.reader_warmup_lr,
-                      batch_size=p.reader_warmup_batch_size, report=("loss", "reader_acc"))
+                      report=("loss", "reader_acc"))
