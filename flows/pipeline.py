@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -356,8 +357,18 @@ def _parse_set(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set expects key=value, got {item!r}")
-        out[key.lstrip("+")] = yaml.safe_load(value)
+        out[key.lstrip("+")] = _yaml_value(value)
     return out
+
+
+# PyYAML reads YAML 1.1, where a float needs a dot: "5e-5" would be written to params.yaml as the string
+# '5e-5'. dvc exp run -S (Hydra's grammar) reads it as a number, and so does --set.
+_EXPONENT_FLOAT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
+def _yaml_value(text: str) -> Any:
+    value = yaml.safe_load(text)
+    return float(value) if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value) else value
 
 
 def main(argv: list[str] | None = None) -> None:
