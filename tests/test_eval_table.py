@@ -110,6 +110,9 @@ def test_each_ft_row_fine_tunes_from_the_encoder_it_names(world):
     assert [x for x in systems if x.startswith("ft:")] == ["ft:init", "ft:init@8", "ft:mlm", "ft:mlm@8", "ft:retromae",
                                                            "ft:retromae@8", "ft:realm", "ft:realm@8"]
     assert {"bm25", "init", "retromae", "mlm", "ict", "realm", "realm-stale"} <= set(systems)  # ict: realm.ict_steps > 0
+    # with ICT, REALM's gain over its start splits in two: ICT's over the towers it trained, REALM's own over ICT's
+    pairs = {(c["a"], c["b"]) for c in world["eval"]["comparisons"]}
+    assert {("realm", "retromae"), ("ict", "retromae"), ("realm", "ict")} <= pairs
 
 
 # ----------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ def paper_comparisons(realm_start: str | None = "retromae", smaller_sizes: Seque
     ]
     if realm_start is not None:
         comps.append(Comparison("realm", realm_start, r, f"REALM's retriever after pre-training vs its start ({realm_start})"))
+        comps.append(Comparison("ict", realm_start, r, f"ICT, REALM's warm start of its retriever, vs the towers it trained ({realm_start})"))  # when ICT ran
     comps.append(Comparison("realm", "ict", r, "REALM's own increment: vs the ICT-only retriever it started from"))  # when ICT ran
     comps += [
         Comparison("qa:realm", "qa:closed-book", QA_METRICS, "REALM: retrieval helps open QA"),
