@@ -1,12 +1,13 @@
 """params.yaml as a file: its name, reading one (a malformed file is a `ParamsError` naming it), its
 one layout rule (the shared `trainer` group under each stage's trainer block, `inherit_trainer`),
-and the repo's own copy, whose values fill the keys a section built in code is not given
-(`components.config_shared.Section`).
+the repo's own copy, whose values fill the keys a section built in code is not given
+(`components.config_shared.Section`), and the value of a `key=value` override (`override_value`).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,14 @@ def read_yaml(path: Path) -> dict:
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
     return raw
+
+
+# PyYAML reads YAML 1.1, where a float needs a dot: "5e-5" alone is the string '5e-5'. dvc exp run -S
+# (Hydra's grammar) reads it as a number, and so does every `key=value` override of ours.
+_EXPONENT_FLOAT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
+def override_value(text: str) -> Any:
+    """The value of a command-line `key=value` override: YAML, with 5e-5 a float as in `dvc exp run -S`."""
+    value = yaml.safe_load(text)
+    return float(value) if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value) else value

@@ -9,7 +9,7 @@ from typing import Any
 def parse_variant(spec: str, prefix: str = "") -> tuple[str, dict[str, Any]]:
     """`NAME:key=value,...` -> (NAME, {key: value}); every key must start with `prefix` (a ValueError
     that names the item otherwise)."""
-    import yaml
+    from components.config_file import override_value
 
     name, colon, rest = spec.partition(":")
     if not name or not colon:
@@ -20,5 +20,5 @@ def parse_variant(spec: str, prefix: str = "") -> tuple[str, dict[str, Any]]:
         if not eq or not key.startswith(prefix):
             raise ValueError(f"--variant {spec!r}: {item!r} is not {prefix or ''}<key>=<value>"
                              + (f" (only {prefix}* keys vary here)" if prefix else ""))
-        overrides[key] = yaml.safe_load(value)
+        overrides[key] = override_value(value)
     return name, overrides

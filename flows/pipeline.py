@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -34,13 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from components.config import load_params
-from components.config_file import PARAMS_FILE
+from components.config_file import PARAMS_FILE, override_value
 from components.paths import METRICS
 from components.tracking import ENV_PARENT, close_run, open_parent_run, prepare_store
 from components.tracking_server import tracking_uri
@@ -357,18 +355,8 @@ def _parse_set(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set expects key=value, got {item!r}")
-        out[key.lstrip("+")] = _yaml_value(value)
+        out[key.lstrip("+")] = override_value(value)
     return out
-
-
-# PyYAML reads YAML 1.1, where a float needs a dot: "5e-5" would be written to params.yaml as the string
-# '5e-5'. dvc exp run -S (Hydra's grammar) reads it as a number, and so does --set.
-_EXPONENT_FLOAT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
-
-
-def _yaml_value(text: str) -> Any:
-    value = yaml.safe_load(text)
-    return float(value) if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value) else value
 
 
 def main(argv: list[str] | None = None) -> None:
