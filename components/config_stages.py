@@ -184,6 +184,9 @@ class RealmParams(Section):
     ict_grad_accum: int = Field(ge=1, description="micro-batches per ICT step per rank. A query's negatives are the "
                                 "other contexts of its micro-batch (ict_batch_size / (ranks x ict_grad_accum) of them), "
                                 "so 1 on one process keeps the whole batch's; split only for memory")
+    ict_checkpoint_every: int = Field(ge=0, description="activation checkpointing in ICT's towers: every N-th encoder layer "
+                                      "keeps only its input and is recomputed in backward, so the step holds all its "
+                                      "negatives at less memory for more time; the same gradients. 0 = off")
     ict_query_len: int | None = Field(ge=8, description="tokens of ICT's pseudo-query sentence incl. specials (ORQA: 64); "
                                       "null = query_len")
     reader_warmup_steps: int = Field(ge=0, description="steps that train the knowledge-augmented encoder alone on "

@@ -390,3 +390,50 @@ def test_retriever_lr_is_its_own_param_group(tmp_path):
     assert lr[""] > 0 and lr["retriever"] == pytest.approx(10 * lr[""])
     same = _fit(make_model(), tmp_path / "one")  # null: one rate, no group
     assert {g["group"] for g in same.optimizer.param_groups} == {""}
+
+
+@pytest.mark.parametrize("every, recomputed", [(1, [2, 2]), (2, [2, 1])])
+@pytest.mark.parametrize("masks", ["torch", "fast"])
+def test_activation_checkpointing_recomputes_layers_and_keeps_ict_gradients_with_dropout(every, recomputed, masks):
+    """`activation_checkpointing` (ICT's memory knob, realm.ict_checkpoint_every) runs every N-th layer
+    again in backward and leaves every gradient as it was, dropout included: the recompute replays the
+    generator, so it draws the same masks (torch's and the fast ones alike). Off again on exit."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from components.models.encoder import activation_checkpointing
+    from components.models.ict import ICTModel
+    from components.models.ops.dropout import use_fast_dropout
+
+    cfg = tiny_bert_config(layers=2)
+    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = 0.2  # dropout on: a replay that drew new masks would differ
+    torch.manual_seed(0)
+    model = ICTModel(Retriever.from_config(cfg, retriever_dim=8)).train()
+    if masks == "fast":
+        use_fast_dropout(model)
+    g = torch.Generator().manual_seed(1)
+    batch = {"q_input_ids": torch.randint(5, 100, (4, 12), generator=g), "q_attention_mask": torch.ones(4, 12, dtype=torch.long),
+             "d_input_ids": torch.randint(5, 100, (4, 30), generator=g), "d_attention_mask": torch.ones(4, 30, dtype=torch.long)}
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    calls = [0] * len(layers)
+    for i, layer in enumerate(layers):  # hooked inside the layer: HF checkpoints a layer's forward, not its hooks
+        layer.attention.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+
+    def grads(seed: int, n: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+        calls[:] = [0] * len(layers)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with activation_checkpointing(model, n) as set_:
+            assert set_ == (1 if n else 0)  # one encoder: the towers are shared
+            model(batch)["loss"].backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}, [c // 2 for c in calls]  # 2 calls a pass (q, d)
+
+    want, passes = grads(7, 0)
+    assert passes == [1, 1]
+    got, passes = grads(7, every)
+    assert passes == recomputed  # the checkpointed layers ran again in backward
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7, msg=k)
+    other, _ = grads(8, 0)  # the test can tell: other masks give other gradients
+    assert any(not torch.allclose(other[k], want[k]) for k in want)
+    assert not any(m.gradient_checkpointing for m in layers)  # restored on exit
+    assert model.retriever.query_encoder.config.use_cache is True

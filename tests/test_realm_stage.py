@@ -149,6 +149,28 @@ def test_ict_negatives_are_its_own_micro_batch_not_realm_trains(world, tmp_path,
     assert summary["ict_steps"] == 1 and seen == [micro] * ict_accum
 
 
+@pytest.mark.parametrize("every, passes", [(0, 2), (1, 4)])
+def test_ict_recomputes_its_towers_layers_as_ict_checkpoint_every_says(world, tmp_path, every, passes):
+    """realm.ict_checkpoint_every: ICT's step runs each checkpointed layer again in backward (HF's
+    activation checkpointing), and only ICT does: the towers leave the warm-up with it off."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from components.data.tokenize import load_tokenizer
+    from components.models.realm import tiny_bert_config
+    from components.training.warmups import ict_warmup
+
+    p = tiny_params(**{"realm.ict_steps": 1, "realm.ict_batch_size": 4, "realm.ict_checkpoint_every": every})
+    blocks, sp = _world_blocks(world)
+    vocab = len(load_tokenizer(world / "data/tokens/tokenizer"))
+    retriever = Retriever.from_config(tiny_bert_config(vocab_size=vocab), retriever_dim=8)
+    layer = next(m for m in retriever.modules() if isinstance(m, GradientCheckpointingLayer))
+    calls = []
+    layer.attention.register_forward_hook(lambda *_: calls.append(1))
+    ict_warmup(retriever, blocks, p, sp, tmp_path / "ict")
+    assert len(calls) == passes  # one step: the query pass and the block pass, each run again in backward when checkpointed
+    assert not layer.gradient_checkpointing
+
+
 def test_reader_warmup_reads_the_own_block_and_its_loss_is_the_masked_lm_loss(world):
     from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
 

@@ -336,6 +336,34 @@ def frozen_encoder_body(model: nn.Module) -> Iterator[list[str]]:
             p.requires_grad_(True)
 
 
+@contextlib.contextmanager
+def activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -> Iterator[int]:
+    """Inside: every HF encoder in `model` keeps only the input of every `every_n_layers`-th layer in
+    training and recomputes that layer in backward (HF's activation checkpointing, torch.utils.checkpoint,
+    non-reentrant). Gradients are unchanged: the recompute replays the CPU generator's state, so dropout
+    draws the same masks (`compute.dropout_masks: fast` draws from that generator too). Memory: a
+    checkpointed layer holds its activations only while backward passes through it; time: one more
+    forward pass of those layers. Yields how many encoders it set; restores them on exit.
+    `every_n_layers=0`: a no-op (yields 0)."""
+    from transformers import PreTrainedModel
+
+    if every_n_layers < 0:
+        raise ValueError(f"every_n_layers={every_n_layers}: 0 (off) or a positive layer stride")
+    encoders = [m for m in model.modules() if isinstance(m, PreTrainedModel)] if every_n_layers else []
+    encoders = [m for m in encoders if not any(m is not o and m in set(o.modules()) for o in encoders)]  # outermost
+    # an encoder keeps no KV cache, but BERT's config says use_cache: HF would warn that checkpointing drops it
+    use_cache = [getattr(m.config, "use_cache", None) for m in encoders]
+    for m in encoders:
+        m.config.use_cache = False
+        m.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    try:
+        yield len(encoders)
+    finally:
+        for m, cached in zip(encoders, use_cache):
+            m.activation_checkpointing_disable()
+            m.config.use_cache = cached
+
+
 # ----------------------------------------------------------------------------------------------
 # export
 # ----------------------------------------------------------------------------------------------

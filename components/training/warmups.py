@@ -34,6 +34,7 @@ from components.data.realm_query import (RealmQuery, draw_query, empty_batch_err
 from components.data.salient_spans import TaggerLike, span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.data.token_spans import block_spans
+from components.models.encoder import activation_checkpointing
 from components.models.ict import ICTModel
 from components.models.realm import KnowledgeAugmentedEncoder, knowledge_augmented_inputs
 from components.models.retriever import Retriever
@@ -70,8 +71,10 @@ def ict_warmup(retriever: Retriever, blocks, params: Params, special: SpecialTok
     if len(rows) < p.ict_batch_size:
         raise ValueError(f"ICT needs at least realm.ict_batch_size={p.ict_batch_size} blocks with two sentences "
                          f"(held-out blocks excluded); found {len(rows)}: lower realm.ict_batch_size or set realm.ict_steps to 0")
-    return run_warmup(ICTModel(retriever), rows, ICTCollator(blocks, p, special, p.ict_mask_rate), params, out_dir, log_fn,
-                      name="ict", steps=p.ict_steps, lr=p.ict_lr, report=("loss", "ict_acc"))
+    # all of the micro-batch's contexts are its negatives, so memory is saved by recomputing, never by splitting
+    with activation_checkpointing(retriever, p.ict_checkpoint_every):
+        return run_warmup(ICTModel(retriever), rows, ICTCollator(blocks, p, special, p.ict_mask_rate), params, out_dir,
+                          log_fn, name="ict", steps=p.ict_steps, lr=p.ict_lr, report=("loss", "ict_acc"))
 
 
 # ----------------------------------------------------------------------------------------------
