@@ -1,5 +1,5 @@
-"""ICT's training step with and without activation checkpointing (`realm.ict_activation_checkpointing`):
-peak host memory, seconds per step, and whether the two give the same gradient.
+"""ICT's training step with and without activation checkpointing (`realm.ict_checkpoint_every`): peak
+host memory, seconds per step, and whether the gradients stay the same.
 
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.bench_ict_memory                 # small's ICT step, ~3 min on 2 cores
     .venv/bin/python -m bench.bench_ict_memory --preset params/tiny.yaml --steps 2 --out /tmp/ict_mem.json
@@ -7,7 +7,8 @@ peak host memory, seconds per step, and whether the two give the same gradient.
 Why: ICT's loss takes its negatives from the micro-batch, so splitting the step (`realm.ict_grad_accum`)
 to save memory would also cut the negatives. `small`'s step (32 blocks of 256 tokens and 32 sentences
 through MiniLM, in one micro-batch) raised `pretrain_realm`'s peak to 4.1-4.2 GB (bench/README.md,
-"Host memory"). Checkpointing keeps every negative and stores one layer's activations at a time.
+"Host memory"). Checkpointing keeps every negative and drops the checkpointed layers' activations until
+backward recomputes them.
 
 Each arm runs in its own process, because a peak RSS is per process (`ru_maxrss`). An arm builds the
 retriever as the stage does (`Retriever.from_encoder` on `warm_start.path`, the preset's `retriever_dim`
@@ -15,10 +16,11 @@ and `share_towers`), wraps it in `ICTModel`, swaps in the Trainer's dropout mask
 (`compute.dropout_masks`, `compute.precision`), and runs `--steps` forward + backward passes on a batch of
 the preset's ICT shape with every row full length: `ict_batch_size / ict_grad_accum` sentences of
 `ict_query_len` (or `query_len`) and as many blocks of `block_len` tokens, the shape that sets the peak.
-Reported per arm: peak RSS, its rise over the RSS before the first step (the step's transient), and the
-median seconds of the steps after the first. The first step's gradients (same seed, dropout on) of both
-arms are compared: checkpointing replays the generator, so they must agree to float rounding.
-The optimiser is left out: its state is the same in both arms.
+Arms: `every_n_layers` 0 (every activation stored: the baseline) and each `--every` stride. Reported per
+arm: peak RSS, its rise over the RSS before the first step (the step's transient), and the median seconds
+of the steps after the first, with both as ratios to the baseline. Each arm's first-step gradients (same
+seed, dropout on) are compared with the baseline's: checkpointing replays the generator, so they must agree.
+The optimiser is left out: its state is the same in every arm.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 
 from components.config import Params, load_params  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
-
 
 
 def ict_shape(params: Params) -> dict[str, int]:
@@ -76,7 +77,7 @@ def run_arm(preset: str, every: int, steps: int, grads_out: Path) -> dict:
 
     def rows(length: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.randint(1000, vocab, (s["batch"], length), generator=gen)  # (B, L), clear of the special ids
-        ids[:, 0], ids[:, -1] = 101, 102
+        ids[:, 0], ids[:, -1] = 101, 102  # BERT's [CLS], [SEP]
         return ids, torch.ones_like(ids)
 
     (qi, qm), (di, dm) = rows(s["query_len"]), rows(s["block_len"])
