@@ -5,8 +5,9 @@ docs/experiments/realm.md ("The diagnostic").
     .venv/bin/python -m experiments.realm_diagnostic                          # this checkout, 96 queries, CPU
     .venv/bin/python -m experiments.realm_diagnostic --workspace /path/to/ws --arm stale --seed 1 --device cuda
     .venv/bin/python -m experiments.realm_diagnostic --out diag.json --queries 192 --batch-size 16
+    .venv/bin/python -m experiments.realm_diagnostic --at start     # the retriever REALM started from (ICT's): before vs after
 
-Prints a report and writes the JSON atomically (default: <workspace>/metrics/realm_diagnostic[_<arm>].json).
+Prints a report and writes the JSON atomically (default: <workspace>/metrics/realm_diagnostic[_<arm>][_start].json).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _fmt(v) -> str:
 
 def format_report(result: dict[str, Any]) -> str:
     """The result as indented `name: value` lines, one section per part."""
-    lines = [f"REALM diagnostic: {result['workspace']} ({result['n_queries']} queries, batch {result['batch_size']}, "
+    lines = [f"REALM diagnostic: {result['workspace']}, {result.get('at', 'final')} retriever ({result['n_queries']} queries, batch {result['batch_size']}, "
              f"seed {result['seed']}, top_k {result['top_k']}, {result['marginalization']})"]
     for part in ("reader", "retrieval", "gradient"):
         lines.append(f"{part}:")
@@ -43,10 +44,13 @@ def format_report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     from components.config_stages import REALM_ARMS
+    from components.eval.realm_diagnostics import AT
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workspace", type=Path, default=Path("."), help="folder with params.yaml, data/tokens, models/realm")
     ap.add_argument("--arm", default="refreshed", choices=REALM_ARMS, help="pretrain_realm arm: refreshed (models/realm) or stale (models/realm-stale)")
+    ap.add_argument("--at", default="final", choices=AT, help="final: REALM's retriever and index/final; start: the one REALM "
+                    "started from (ICT's, models/realm/ict_retriever) and index/first, the same reader when realm.freeze_reader")
     ap.add_argument("--queries", type=int, default=96, help="masked queries measured (whole batches)")
     ap.add_argument("--batch-size", type=int, default=8, help="queries per retriever-gradient batch (REALM's B)")
     ap.add_argument("--seed", type=int, default=0, help="which queries, documents and question batches")
@@ -60,9 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
     from components.eval.realm_diagnostics import load_workspace, run_diagnostic
     from components.io import write_json_atomic
 
-    ws = load_workspace(args.workspace, arm=args.arm, device=args.device, params_file=args.params)
-    result = {"arm": args.arm, **run_diagnostic(ws, n_queries=args.queries, batch_size=args.batch_size, seed=args.seed)}
-    out = args.out or args.workspace / "metrics" / f"realm_diagnostic{'' if args.arm == 'refreshed' else '_' + args.arm}.json"
+    ws = load_workspace(args.workspace, arm=args.arm, device=args.device, params_file=args.params, at=args.at)
+    result = {"arm": args.arm, "at": args.at, **run_diagnostic(ws, n_queries=args.queries, batch_size=args.batch_size, seed=args.seed)}
+    suffix = ("" if args.arm == "refreshed" else f"_{args.arm}") + ("" if args.at == "final" else f"_{args.at}")
+    out = args.out or args.workspace / "metrics" / f"realm_diagnostic{suffix}.json"
     write_json_atomic(out, result)
     print(format_report(result))
     print(f"wrote {out}")

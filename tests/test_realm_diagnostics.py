@@ -172,6 +172,45 @@ def test_missing_workspace_names_the_stage(tmp_path):
         D.load_workspace(tmp_path)
 
 
+def test_at_start_measures_the_retriever_realm_started_from_with_the_index_built_from_it(trained, ws):
+    """`at="start"`: ICT's retriever (models/realm/ict_retriever, REALM's start) and index/first, which the
+    stage built from it at step 0; the reader is the saved one. The final workspace differs from it."""
+    from components.models.retriever import Retriever
+
+    start = D.load_workspace(trained, at="start")
+    ict = Retriever.from_pretrained(trained / "models/realm/ict_retriever")
+    for (k, a), b in zip(start.model.retriever.state_dict().items(), ict.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    for a, b in zip(start.model.knowledge_augmented_encoder.state_dict().values(),
+                    ws.model.knowledge_augmented_encoder.state_dict().values()):
+        assert torch.equal(a, b)
+    from components.data.realm_batch import passage_batch, passage_columns
+
+    p = start.params.realm
+    rows = [{c: start.blocks[i][c] for c in passage_columns(p)} for i in range(len(start.blocks))]
+    with torch.no_grad():
+        vectors = start.model.retriever.encode_passage(**passage_batch(rows, p, start.special)).numpy()  # (N, d)
+    np.testing.assert_allclose(start.index.embeddings(), vectors, rtol=1e-4, atol=1e-4)  # index/first: the start's vectors
+    assert start.index.step < ws.index.step
+    assert any(not torch.equal(a, b) for a, b in zip(start.model.retriever.state_dict().values(),
+                                                     ws.model.retriever.state_dict().values()))  # REALM moved it
+
+
+def test_at_start_needs_ict_and_says_so(trained, tmp_path):
+    ws_dir = tmp_path / "no_ict"
+    (ws_dir / "models/realm").mkdir(parents=True)
+    for name in ("data", "params.yaml"):
+        os.symlink(trained / name, ws_dir / name)
+    for item in (trained / "models/realm").iterdir():
+        if item.name != "ict_retriever":
+            os.symlink(item, ws_dir / "models/realm" / item.name)
+    D.load_workspace(ws_dir)  # the final retriever needs no ICT
+    with pytest.raises(FileNotFoundError, match=r"ict_retriever is missing.*realm.ict_steps > 0"):
+        D.load_workspace(ws_dir, at="start")
+    with pytest.raises(ValueError, match="at must be one of"):
+        D.load_workspace(ws_dir, at="middle")
+
+
 # ----------------------------------------------------------------------------------------------
 # the script
 # ----------------------------------------------------------------------------------------------

@@ -55,7 +55,6 @@ from components.progress import ProgressClock, format_duration, progress_line
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class RealmWorkspace:
     """What the diagnostic reads from a workspace, loaded as the stage and the evaluation load it."""
@@ -71,9 +70,16 @@ class RealmWorkspace:
     device: torch.device
 
 
-def load_workspace(root: Path, arm: str = "refreshed", device: str = "cpu", params_file: Path | None = None) -> RealmWorkspace:
+AT = ("final", "start")  # which retriever a workspace is measured with: REALM's last, or the one it started from
+
+
+def load_workspace(root: Path, arm: str = "refreshed", device: str = "cpu", params_file: Path | None = None,
+                   at: str = "final") -> RealmWorkspace:
     """`root`/params.yaml, data/tokens, and models/realm (or the `arm`'s folder): REALM.from_pretrained
-    and its index/final. A missing piece raises naming the folder and the stage that writes it."""
+    and its index/final. `at="start"`: the retriever REALM started from instead, ICT's
+    (models/realm/ict_retriever, saved when `realm.ict_steps` > 0) with index/first, which was built from
+    it; the reader is the saved one, which is the start's too when `realm.freeze_reader` (else a warning).
+    A missing piece raises naming the folder and the stage that writes it."""
     import datasets
 
     from components.data.tokenize import load_tokenizer
@@ -81,21 +87,33 @@ def load_workspace(root: Path, arm: str = "refreshed", device: str = "cpu", para
     root = Path(root)
     if arm not in paths.REALM_ARM_OUT:
         raise ValueError(f"arm must be one of {sorted(paths.REALM_ARM_OUT)}, got {arm!r}")
+    if at not in AT:
+        raise ValueError(f"at must be one of {AT}, got {at!r}")
     out = root / paths.REALM_ARM_OUT[arm]
-    need = {root / paths.TOKENS / "tokenizer": "tokenize", root / paths.TOKENS / "blocks": "tokenize",
-            out / "retriever": f"pretrain_realm@{arm}", out / "knowledge_augmented_encoder": f"pretrain_realm@{arm}",
-            out / "index" / "final": f"pretrain_realm@{arm}"}
-    for folder, stage in need.items():
+    index_dir = out / "index" / ("first" if at == "start" else "final")
+    stage = f"`dvc repro pretrain_realm@{arm}`"
+    need = {root / paths.TOKENS / "tokenizer": "`dvc repro tokenize`", root / paths.TOKENS / "blocks": "`dvc repro tokenize`",
+            out / "retriever": stage, out / "knowledge_augmented_encoder": stage, index_dir: stage}
+    if at == "start":  # only ICT saves the start: without it the towers are retromae's, not a folder of this stage
+        need[out / paths.ICT_RETRIEVER] = f"{stage} with realm.ict_steps > 0 (REALM's start is saved only after ICT)"
+    for folder, how in need.items():
         if not folder.exists():
-            raise FileNotFoundError(f"{folder} is missing: run `dvc repro {stage}` in {root} first")
+            raise FileNotFoundError(f"{folder} is missing: run {how} in {root} first")
     params = load_params(params_file or root / "params.yaml")
     params = params.model_copy(update={"realm": params.realm.for_arm(arm)})
     tokenizer = load_tokenizer(root / paths.TOKENS / "tokenizer")
     special = SpecialTokens.from_tokenizer(tokenizer)
     blocks = datasets.load_from_disk(str(root / paths.TOKENS / "blocks"))
     dev = torch.device(device)
-    model = REALM.from_pretrained(out).to(dev).eval()
-    index = BlockIndex.load(out / "index" / "final", use_gpu=False)
+    model = REALM.from_pretrained(out)
+    if at == "start":
+        model = REALM(Retriever.from_pretrained(out / paths.ICT_RETRIEVER), model.knowledge_augmented_encoder,
+                      model.marginalization)
+        if not params.realm.freeze_reader:
+            log.warning("%s: realm.freeze_reader is false, so REALM trained the reader too: `at start` pairs the start's "
+                        "retriever with the final reader", root)
+    model = model.to(dev).eval()
+    index = BlockIndex.load(index_dir, use_gpu=False)
     collator = RealmCollator(blocks, params.realm, special, model.retriever, index.search)
     return RealmWorkspace(root, params, special, tokenizer, blocks, model, index, collator, dev)
 
