@@ -30,8 +30,8 @@ def _fmt(v) -> str:
 
 def format_report(result: dict[str, Any]) -> str:
     """The result as indented `name: value` lines, one section per part."""
-    lines = [f"REALM diagnostic: {result['workspace']}, {result.get('at', 'final')} retriever ({result['n_queries']} queries, batch {result['batch_size']}, "
-             f"seed {result['seed']}, top_k {result['top_k']}, {result['marginalization']})"]
+    lines = [f"REALM diagnostic: {result['workspace']}, {result.get('at', 'final')} retriever ({result['n_queries']} queries, "
+             f"batch {result['batch_size']}, seed {result['seed']}, top_k {result['top_k']}, {result['marginalization']})"]
     for part in ("reader", "retrieval", "gradient"):
         lines.append(f"{part}:")
         for k, v in result[part].items():

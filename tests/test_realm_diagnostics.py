@@ -175,6 +175,7 @@ def test_missing_workspace_names_the_stage(tmp_path):
 def test_at_start_measures_the_retriever_realm_started_from_with_the_index_built_from_it(trained, ws):
     """`at="start"`: ICT's retriever (models/realm/ict_retriever, REALM's start) and index/first, which the
     stage built from it at step 0; the reader is the saved one. The final workspace differs from it."""
+    from components.data.realm_batch import passage_batch, passage_columns
     from components.models.retriever import Retriever
 
     start = D.load_workspace(trained, at="start")
@@ -184,8 +185,6 @@ def test_at_start_measures_the_retriever_realm_started_from_with_the_index_built
     for a, b in zip(start.model.knowledge_augmented_encoder.state_dict().values(),
                     ws.model.knowledge_augmented_encoder.state_dict().values()):
         assert torch.equal(a, b)
-    from components.data.realm_batch import passage_batch, passage_columns
-
     p = start.params.realm
     rows = [{c: start.blocks[i][c] for c in passage_columns(p)} for i in range(len(start.blocks))]
     with torch.no_grad():
