@@ -41,7 +41,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from components.config import Params, load_params  # noqa: E402
+from bench.bench_mfu import load_preset  # noqa: E402
+from components.config import Params  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 
 
@@ -53,24 +54,24 @@ def ict_shape(params: Params) -> dict[str, int]:
 
 def run_arm(preset: str, every: int, steps: int, grads_out: Path) -> dict:
     """One arm, in this process: see the module docstring."""
-    from components.models.encoder import activation_checkpointing, resolve_pretrained, set_attention_dropout
+    from components.models.encoder import activation_checkpointing, set_attention_dropout, warm_start_path
     from components.models.ict import ICTModel
     from components.models.ops.dropout import fast_dropout_masks, use_fast_dropout
     from components.models.retriever import Retriever
     from components.training import memory
-    from components.training.precision import AMP_DTYPES, resolve_precision
+    from components.training.precision import autocast_for, resolve_precision
 
-    params = load_params(ROOT / "params.yaml", presets=[ROOT / preset])
-    if params.warm_start.path is None:
+    params = load_preset(preset)
+    warm = warm_start_path(params)
+    if warm is None:
         raise SystemExit(f"{preset}: warm_start.path is null; this benchmark measures the stage's warm-started towers")
     torch.manual_seed(params.compute.seed)
     p, compute, cpu = params.realm, params.compute, torch.device("cpu")
-    model = ICTModel(Retriever.from_encoder(resolve_pretrained(params.warm_start.path), p.retriever_dim, p.share_towers))
+    model = ICTModel(Retriever.from_encoder(warm, p.retriever_dim, p.share_towers))
     if compute.attention_dropout is not None:
         set_attention_dropout(model, compute.attention_dropout)
     if fast_dropout_masks(compute.dropout_masks, cpu):
         use_fast_dropout(model)
-    amp = AMP_DTYPES.get(resolve_precision(compute.precision, cpu))
     s = ict_shape(params)
     vocab = model.retriever.query_encoder.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -88,7 +89,7 @@ def run_arm(preset: str, every: int, steps: int, grads_out: Path) -> dict:
         for step in range(steps):
             torch.manual_seed(params.compute.seed + step)  # the same dropout masks in both arms
             t = time.perf_counter()
-            with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            with autocast_for(compute.precision, cpu):
                 loss = model(batch)["loss"]
             loss.backward()
             times.append(time.perf_counter() - t)
