@@ -349,8 +349,9 @@ def activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -> Itera
 
     if every_n_layers < 0:
         raise ValueError(f"every_n_layers={every_n_layers}: 0 (off) or a positive layer stride")
-    encoders = [m for m in model.modules() if isinstance(m, PreTrainedModel)] if every_n_layers else []
-    encoders = [m for m in encoders if not any(m is not o and m in set(o.modules()) for o in encoders)]  # outermost
+    found = [m for m in model.modules() if isinstance(m, PreTrainedModel)] if every_n_layers else []
+    inner = {id(s) for m in found for s in m.modules() if s is not m}  # an MLM model's body is one too: set it once
+    encoders = [m for m in found if id(m) not in inner]
     # an encoder keeps no KV cache, but BERT's config says use_cache: HF would warn that checkpointing drops it
     use_cache = [getattr(m.config, "use_cache", None) for m in encoders]
     for m in encoders:
