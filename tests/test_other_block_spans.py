@@ -150,3 +150,20 @@ def test_the_collator_redraws_a_row_that_drew_no_query_and_keeps_every_other_dra
         with pytest.raises(RuntimeError, match=rf"blocks \[3\] gave no masked query in {1 + QUERY_REDRAWS} draws each, so "
                                                rf"this micro-batch of {re.escape(phase)} is empty.*realm\.train\.grad_accum"):
             collate([3], torch.Generator().manual_seed(0))
+
+
+def test_span_holders_counts_the_other_blocks_of_every_block_span_pair(blocks):
+    """The diagnostic's corpus part (`--spans`), on the hand-built counts: 9 (block, span) pairs, Alpha and
+    Delta held nowhere else, each Beta by 2 other blocks, each Gamma by 3; with titles, the share of those
+    holders in the block's own article."""
+    from components.eval.realm_diagnostics import span_holders
+
+    got = span_holders(blocks, _params(lo=1, hi=2), bins=((0, 0), (1, 2), (3, None)))
+    assert (got["blocks"], got["blocks_with_a_span"], got["pairs"], got["distinct_spans"]) == (6, 6, 9, 4)
+    assert got["other_blocks"] == pytest.approx({"0": 2 / 9, "1-2": 3 / 9, "3+": 4 / 9})
+    assert "same_article_share_of_holders" not in got  # no titles
+    assert got["admitted"] == {"filter": "1-2 other blocks", "pairs": pytest.approx(3 / 9), "blocks_with_an_admitted_span": 3}
+    assert span_holders(blocks, _params(), bins=((0, 0),))["admitted"]["filter"] == "0+ other blocks"  # off: every pair
+    titled = blocks.add_column("title", ["A", "A", "A", "B", "B", "B"])
+    same = span_holders(titled, _params(lo=1), bins=((0, 0), (1, 2), (3, None)))["same_article_share_of_holders"]
+    assert same == pytest.approx({"1-2": 1.0, "3+": 1 / 3})  # Beta: b0-b2 all A; each Gamma: one of its 3 others shares its title

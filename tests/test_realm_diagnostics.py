@@ -231,6 +231,25 @@ def test_script_runs_end_to_end_and_writes_its_json_atomically(trained, tmp_path
     assert bad.returncode == 2 and "dvc repro" in bad.stderr
 
 
+def test_script_spans_reads_the_corpus_only(trained, tmp_path):
+    """`--spans`: the corpus part from params.yaml and data/tokens alone (a workspace with no model yet)."""
+    import datasets
+
+    from experiments.realm_diagnostic import main
+
+    ws_dir = tmp_path / "tokens_only"
+    ws_dir.mkdir()
+    for name in ("data", "params.yaml"):
+        os.symlink(trained / name, ws_dir / name)
+    result = main(["--spans", "--workspace", str(ws_dir)])
+    out = ws_dir / "metrics" / "realm_span_holders.json"
+    assert json.loads(out.read_text()) == result
+    assert result["pairs"] > 0 and sum(result["other_blocks"].values()) == pytest.approx(1.0)
+    assert result["blocks_with_a_span"] <= result["blocks"] == len(datasets.load_from_disk(str(trained / "data/tokens/blocks")))
+    with pytest.raises(FileNotFoundError, match=r"data/tokens/blocks is missing: run `dvc repro tokenize`"):
+        main(["--spans", "--workspace", str(tmp_path / "empty")])
+
+
 # ----------------------------------------------------------------------------------------------
 # the reader warm-up study (experiments/reader_warmup_study.py)
 # ----------------------------------------------------------------------------------------------

@@ -220,6 +220,12 @@ _SPAN_COLUMNS = ("input_ids", "word_ids", "offsets", "char_spans", "text")
 _span_counts: dict[tuple, dict[tuple[int, ...], int]] = {}  # one corpus per process: the last one counted
 
 
+def iter_block_spans(blocks, tagger: TaggerLike):
+    """(row, the block's salient spans as token-id tuples, each once) over the retrieval blocks."""
+    for r, row in iter_block_rows(blocks, [c for c in _SPAN_COLUMNS if c in blocks.column_names]):
+        yield r, block_spans(row, tagger)
+
+
 def span_block_counts(blocks, p) -> dict[tuple[int, ...], int] | None:
     """How many blocks hold each salient span (token ids) among their own salient spans: one pass
     over the corpus, kept for the process. None when `realm.span_min/max_other_blocks` are off."""
@@ -229,8 +235,8 @@ def span_block_counts(blocks, p) -> dict[tuple[int, ...], int] | None:
     key = (getattr(blocks, "_fingerprint", None) or id(blocks), len(blocks), tagger)
     if key not in _span_counts:
         counts: dict[tuple[int, ...], int] = {}
-        for _, row in iter_block_rows(blocks, [c for c in _SPAN_COLUMNS if c in blocks.column_names]):
-            for sp in block_spans(row, tagger):
+        for _, spans in iter_block_spans(blocks, tagger):
+            for sp in spans:
                 counts[sp] = counts.get(sp, 0) + 1
         _span_counts.clear()
         _span_counts[key] = counts

@@ -18,6 +18,8 @@ with the model, index and collator the stage uses (eval mode: no dropout):
   The reference: the same for a supervised in-batch-negatives loss on the corpus's train questions
   and their gold paragraph's block (`ICTModel`'s loss), and cos(mean g_realm, mean g_supervised);
   the same for ICT's loss (the retriever's warm-up), a second reference.
+* corpus (`span_holders`, apart: one NER pass over the whole corpus, no model): how many other blocks
+  hold each block's salient spans, what `realm.span_min/max_other_blocks` choose from.
 
     ws = load_workspace(Path("."), arm="refreshed")
     result = run_diagnostic(ws, n_queries=96, batch_size=8, seed=0)     # a JSON-able dict
@@ -41,7 +43,7 @@ from components.config import Params, load_params
 from components.data.finetune_data import load_pairs
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
 from components.data.realm_batch import RealmCollator, collate_queries, passage_batch, passage_columns
-from components.data.realm_query import RealmQuery, fixed_queries
+from components.data.realm_query import RealmQuery, fixed_queries, iter_block_spans, untagged_texts
 from components.data.salient_spans import span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.eval.realm_probes import answer_blocks, same_entity_gold
@@ -128,6 +130,52 @@ def sample_queries(blocks, p, special: SpecialTokens, n: int, seed: int) -> list
         if len(out) >= n:
             break
     return out[:n]
+
+
+# ----------------------------------------------------------------------------------------------
+# the corpus: what another block can supply
+# ----------------------------------------------------------------------------------------------
+HOLDER_BINS = ((0, 0), (1, 1), (2, 2), (3, 5), (6, 10), (11, 20), (21, None))  # other blocks holding a span
+
+
+def _bin_name(lo: int, hi: int | None) -> str:
+    return str(lo) if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+
+
+def span_holders(blocks, p, bins=HOLDER_BINS) -> dict[str, Any]:
+    """How many OTHER blocks hold each salient span of each block, over every (block, span) pair of the
+    corpus (`p.span_tagger`, before any span filter): what `realm.span_min_other_blocks` /
+    `span_max_other_blocks` choose from. A span no other block holds gives the retriever nothing to find;
+    one that many blocks hold (an article's topic entity) rewards retrieving the article, not the block.
+    Per bin of that count: the share of pairs, and, when blocks have titles, the share of the holders in
+    the block's own article. `admitted`: the pairs and blocks the params' filter keeps."""
+    tagger = span_tagger_for(p)
+    tagger.prefetch(untagged_texts(blocks))  # one batched NER pass
+    spans = dict(iter_block_spans(blocks, tagger))
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for r, sps in spans.items():
+        for sp in sps:
+            holders.setdefault(sp, []).append(r)
+    article, _ = article_rows(blocks)
+    pairs = [(r, len(holders[sp]) - 1, sp) for r, sps in spans.items() for sp in sps]  # (row, other blocks, span)
+    lo_p, hi_p = p.span_min_other_blocks or 0, p.span_max_other_blocks
+    within = lambda k, lo, hi: lo <= k and (hi is None or k <= hi)  # noqa: E731
+    out: dict[str, Any] = {"blocks": len(spans), "blocks_with_a_span": sum(bool(s) for s in spans.values()),
+                           "pairs": len(pairs), "distinct_spans": len(holders), "other_blocks": {}}
+    same: dict[str, Any] = {}
+    for lo, hi in bins:
+        sel = [(r, k, sp) for r, k, sp in pairs if within(k, lo, hi)]
+        out["other_blocks"][_bin_name(lo, hi)] = len(sel) / max(len(pairs), 1)
+        if article is not None and lo > 0:
+            shares = [sum(article[o] == article[r] for o in holders[sp] if o != r) / k for r, k, sp in sel]
+            same[_bin_name(lo, hi)] = float(np.mean(shares)) if shares else None
+    if article is not None:
+        out["same_article_share_of_holders"] = same
+    kept = {r for r, k, _ in pairs if within(k, lo_p, hi_p)}
+    out["admitted"] = {"filter": f"{_bin_name(lo_p, hi_p)} other blocks",
+                       "pairs": sum(within(k, lo_p, hi_p) for _, k, _ in pairs) / max(len(pairs), 1),
+                       "blocks_with_an_admitted_span": len(kept)}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
