@@ -77,15 +77,25 @@ def _window_start(n: int, width: int, starts: np.ndarray, rng: np.random.Generat
     return int(cand[rng.integers(len(cand))])
 
 
+def other_blocks_range(p) -> tuple[int, int | None]:
+    """[realm.span_min_other_blocks, span_max_other_blocks], null read as 0 / no upper bound."""
+    return p.span_min_other_blocks or 0, p.span_max_other_blocks
+
+
+def in_range(k: int, lo: int, hi: int | None) -> bool:
+    """lo <= k <= hi, where hi None is no upper bound."""
+    return lo <= k and (hi is None or k <= hi)
+
+
 def _held_by_other_blocks(salient: list[tuple[int, int]], ids: Sequence[int], params,
                           span_blocks: dict[tuple[int, ...], int] | None) -> list[tuple[int, int]]:
     """The spans that between span_min_other_blocks and span_max_other_blocks OTHER blocks hold."""
     if span_blocks is None:
         raise ValueError("realm.span_min_other_blocks / span_max_other_blocks need the corpus's span counts: "
                          "pass span_blocks=span_block_counts(blocks, params)")
-    lo, hi = params.span_min_other_blocks or 0, params.span_max_other_blocks
+    lo, hi = other_blocks_range(params)
     others = [span_blocks.get(tuple(ids[s:e]), 1) - 1 for s, e in salient]  # x's own block holds it too
-    return [sp for sp, k in zip(salient, others) if lo <= k and (hi is None or k <= hi)]
+    return [sp for sp, k in zip(salient, others) if in_range(k, lo, hi)]
 
 
 def _random_word_span(lo: int, hi: int, target: int, max_masks: int, word_ids: Sequence[int], starts: np.ndarray,

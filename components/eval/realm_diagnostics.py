@@ -43,7 +43,8 @@ from components.config import Params, load_params
 from components.data.finetune_data import load_pairs
 from components.data.ict_batch import ICTCollator, ict_eligible_rows
 from components.data.realm_batch import RealmCollator, collate_queries, passage_batch, passage_columns
-from components.data.realm_query import RealmQuery, fixed_queries, iter_block_spans, untagged_texts
+from components.data.realm_query import (RealmQuery, fixed_queries, in_range, iter_block_spans, other_blocks_range,
+                                         untagged_texts)
 from components.data.salient_spans import span_tagger_for
 from components.data.special_tokens import IGNORE_INDEX, SpecialTokens
 from components.eval.realm_probes import answer_blocks, same_entity_gold
@@ -158,23 +159,21 @@ def span_holders(blocks, p, bins=HOLDER_BINS) -> dict[str, Any]:
             holders.setdefault(sp, []).append(r)
     article, _ = article_rows(blocks)
     pairs = [(r, len(holders[sp]) - 1, sp) for r, sps in spans.items() for sp in sps]  # (row, other blocks, span)
-    lo_p, hi_p = p.span_min_other_blocks or 0, p.span_max_other_blocks
-    within = lambda k, lo, hi: lo <= k and (hi is None or k <= hi)  # noqa: E731
+    lo_p, hi_p = other_blocks_range(p)
     out: dict[str, Any] = {"blocks": len(spans), "blocks_with_a_span": sum(bool(s) for s in spans.values()),
                            "pairs": len(pairs), "distinct_spans": len(holders), "other_blocks": {}}
     same: dict[str, Any] = {}
     for lo, hi in bins:
-        sel = [(r, k, sp) for r, k, sp in pairs if within(k, lo, hi)]
+        sel = [(r, k, sp) for r, k, sp in pairs if in_range(k, lo, hi)]
         out["other_blocks"][_bin_name(lo, hi)] = len(sel) / max(len(pairs), 1)
         if article is not None and lo > 0:
             shares = [sum(article[o] == article[r] for o in holders[sp] if o != r) / k for r, k, sp in sel]
             same[_bin_name(lo, hi)] = float(np.mean(shares)) if shares else None
     if article is not None:
         out["same_article_share_of_holders"] = same
-    kept = {r for r, k, _ in pairs if within(k, lo_p, hi_p)}
-    out["admitted"] = {"filter": f"{_bin_name(lo_p, hi_p)} other blocks",
-                       "pairs": sum(within(k, lo_p, hi_p) for _, k, _ in pairs) / max(len(pairs), 1),
-                       "blocks_with_an_admitted_span": len(kept)}
+    admitted = [r for r, k, _ in pairs if in_range(k, lo_p, hi_p)]  # the row of each pair the filter keeps
+    out["admitted"] = {"filter": f"{_bin_name(lo_p, hi_p)} other blocks", "pairs": len(admitted) / max(len(pairs), 1),
+                       "blocks_with_an_admitted_span": len(set(admitted))}
     return out
 
 
