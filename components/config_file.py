@@ -107,3 +107,15 @@ def override_value(text: str) -> Any:
     """The value of a command-line `key=value` override: YAML, with 5e-5 a float as in `dvc exp run -S`."""
     value = yaml.safe_load(text)
     return float(value) if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value) else value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`--set key=value` items as {dotted key: value}. DVC's `+key=value` / `++key=value` (a key params.yaml
+    does not hold yet) are taken too: apply_param_overrides adds the `+` itself where it is needed."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects key=value, got {item!r}")
+        out[key.lstrip("+")] = override_value(value)
+    return out

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     import logging
 
     from components.config import load_params
-    from components.config_file import override_value
+    from components.config_file import parse_overrides
     from components.io import write_json_atomic
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     for need in ("data/tokens/blocks", "models/retromae/encoder"):
         if not (ws / need).exists():
             sys.exit(f"{ws / need} missing: run `.venv/bin/python -m flows.pipeline --preset tiny --upto pretrain_retromae` there first (or pass --workspace)")
-    overrides = {k: override_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = parse_overrides(args.set)
     presets = [args.preset] if str(args.preset) not in ("", ".") else []
     # sync: each refresh lands at its own step boundary, so the two arms differ only in the cadence
     base = {**overrides, "realm.refresh_mode": "sync"}

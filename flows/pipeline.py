@@ -38,7 +38,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from components.config import load_params
-from components.config_file import PARAMS_FILE, override_value
+from components.config_file import PARAMS_FILE, parse_overrides
 from components.paths import METRICS
 from components.tracking import ENV_PARENT, close_run, open_parent_run, prepare_store
 from components.tracking_server import tracking_uri
@@ -347,18 +347,6 @@ def pipeline(overrides: dict | None = None, target: str | None = None, only: str
         os.environ.pop(ENV_PARENT, None)
 
 
-def _parse_set(items: list[str]) -> dict:
-    """`--set key=value` items as overrides. DVC's `+key=value` / `++key=value` (a key params.yaml does
-    not hold yet) are taken too: apply_param_overrides adds the `+` itself where it is needed."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects key=value, got {item!r}")
-        out[key.lstrip("+")] = override_value(value)
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="param override (repeatable), like dvc exp run -S")
@@ -373,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-warm-stages", dest="warm_stages", action="store_false",
                     help="start every stage process cold, not forked from the stage server (flows/stage_server.py)")
     args = ap.parse_args(argv)
-    overrides = _parse_set(args.set) or None
+    overrides = parse_overrides(args.set) or None
     with contextlib.ExitStack() as early:
         def meanwhile() -> None:  # while the local Prefect API starts (`local_prefect_api`)
             if args.warm_stages and args.only is None and stage_server_enabled():

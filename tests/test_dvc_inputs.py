@@ -151,12 +151,12 @@ def test_a_per_stage_override_is_appended_to_its_block_and_unset_removes_it(tmp_
     assert f.read_text() == before
     assert not apply_param_overrides({"realm.train.weight_decay": UNSET}, path=str(f))  # nothing to remove
     # the wrapper's --set takes DVC's spelling too
-    from flows.pipeline import _parse_set
+    from components.config_file import parse_overrides
 
-    assert _parse_set(["+realm.train.weight_decay=0.0", "++trainer.num_workers=1", "realm.top_k=3"]) == {
+    assert parse_overrides(["+realm.train.weight_decay=0.0", "++trainer.num_workers=1", "realm.top_k=3"]) == {
         "realm.train.weight_decay": 0.0, "trainer.num_workers": 1, "realm.top_k": 3}
     # and its numbers: 5e-5 is a float there (PyYAML alone reads the string '5e-5'); other strings stay strings
-    assert _parse_set(["realm.ict_lr=5e-5", "realm.train.lr=-1E+3", "a.b=.5e2", "x.y=1e", "x.z=e5", "q.r=null"]) == {
+    assert parse_overrides(["realm.ict_lr=5e-5", "realm.train.lr=-1E+3", "a.b=.5e2", "x.y=1e", "x.z=e5", "q.r=null"]) == {
         "realm.ict_lr": 5e-5, "realm.train.lr": -1000.0, "a.b": 50.0, "x.y": "1e", "x.z": "e5", "q.r": None}
 
 
