@@ -1,7 +1,8 @@
 """params.yaml as a file: its name, reading one (a malformed file is a `ParamsError` naming it), its
 one layout rule (the shared `trainer` group under each stage's trainer block, `inherit_trainer`),
 the repo's own copy, whose values fill the keys a section built in code is not given
-(`components.config_shared.Section`), and the value of a `key=value` override (`override_value`).
+(`components.config_shared.Section`), and `--set key=value` overrides (`parse_overrides`, each value
+read by `override_value`).
 """
 
 from __future__ import annotations
