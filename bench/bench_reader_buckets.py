@@ -59,7 +59,7 @@ def shipped_qa(tmp: Path, n_questions: int):
 
 def fed_tokens(masks: list[torch.Tensor], chunk_rows: int) -> int:
     """Tokens the BERT sees over these batches' (N, L) masks: N x L at 0, else each chunk x its width."""
-    from components.models.reader import length_chunks
+    from components.models.encoder import length_chunks
 
     if chunk_rows <= 0:
         return sum(m.numel() for m in masks)

@@ -55,6 +55,12 @@ class ComputeParams(Section):
         "fast (16 random bits per element from torch's generator, the same inverted dropout with p rounded to "
         "1/65536: components/models/ops/dropout.py), auto: fast on a CPU, where torch's masks were ~30% of a "
         "REALM / DPR step (bench/bench_dropout.py), torch on CUDA, whose fused dropout is cheap")
+    length_chunk_tokens: int = Field(ge=0, description="a training batch's rows (DPR passages and questions, ICT "
+                                     "and REALM retriever rows, REALM's (x, z) pairs) run longest first in chunks of "
+                                     "about this many tokens, each padded to its own widest row, not to the batch's: "
+                                     "the same maths up to float rounding, fewer padded tokens (components/models/"
+                                     "encoder.py run_length_chunks; bench/bench_length_chunks.py). 0: one forward at "
+                                     "the batch's width. The open-QA reader has its own, finetune.reader_chunk_rows")
     malloc_trim_every: int = Field(ge=0, description="under glibc's malloc (no allocator preloaded: scripts/py "
                                    "preloads mimalloc), return its heap's free pages every N training steps, so RSS "
                                    "stays flat under varying batch shapes; 0 = never (components/training/memory.py)")

@@ -143,6 +143,7 @@ class BiEncoder(nn.Module):
         self.encoder = encoder
         self.temperature = float(temperature)
         self.negatives_cross_device = negatives_cross_device
+        self.length_chunk_tokens = 0  # compute.length_chunk_tokens (set by the Trainer): how the towers run, not what they are
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -166,11 +167,12 @@ class BiEncoder(nn.Module):
     # -- towers ----------------------------------------------------------------------------------
     def encode_query(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """E_q: (B, Lq) -> (B, H) [CLS] vectors."""
-        return cls_pool(self.encoder, input_ids, attention_mask)
+        return cls_pool(self.encoder, input_ids, attention_mask, self.length_chunk_tokens)
 
     def encode_passage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """E_p: (N, Lp) -> (N, H) [CLS] vectors (same encoder as the queries)."""
-        return cls_pool(self.encoder, input_ids, attention_mask)
+        """E_p: (N, Lp) -> (N, H) [CLS] vectors (same encoder as the queries). With `length_chunk_tokens`
+        the rows run in length chunks (`encoder.run_length_chunks`): a batch's passages vary ~2x in length."""
+        return cls_pool(self.encoder, input_ids, attention_mask, self.length_chunk_tokens)
 
     # -- training --------------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

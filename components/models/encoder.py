@@ -26,7 +26,16 @@ wrapper adds, e.g. RetroMAE's decoder), for a head-only phase before joint train
 
 Length bucketing (a batch padded to its own longest row, not to the longest of a random mix):
 `longest_first(lengths)` is the order to run rows in and `unsort_rows(out, order)` puts the outputs
-back; the block embed (index/embed.py `embed_blocks`) and the reader's forward (reader.py) share them.
+back; the block embed (index/embed.py `embed_blocks`) uses them across batches. Inside one batch,
+`run_length_chunks(fn, input_ids, attention_mask, ..., chunk_tokens=T)` runs the rows longest first in
+chunks of about T tokens, each cut to its own widest row: the collators pad a batch to its longest
+row, and a DPR batch of 16 passages of the shipped corpus holds ~1.75x its real tokens, ~1.1x in
+chunks. On a CPU a padded row costs more than its share of tokens (attention's (heads, L, L) work
+grows with the width), so the training steps run 2.5-2.9x faster (bench/bench_length_chunks.py).
+The towers that train on such rows (the bi-encoder, REALM's retriever and reader) read the budget
+from a `length_chunk_tokens` attribute, which `set_length_chunk_tokens(model, T)` sets for the Trainer
+(`compute.length_chunk_tokens`); 0 keeps one forward at the batch's width, the reference. The
+open-QA reader's chunks are counted in rows (`finetune.reader_chunk_rows`).
 
 Shapes: B batch, L sequence length, H hidden.
 """
@@ -86,6 +95,68 @@ def unsort_rows(rows: np.ndarray | torch.Tensor, order: np.ndarray) -> np.ndarra
     out = np.empty_like(rows)
     out[order] = rows
     return out
+
+
+def length_chunks(attention_mask: torch.Tensor, chunk_rows: int = 0, chunk_tokens: int = 0
+                  ) -> tuple[np.ndarray, list[tuple[np.ndarray, int]]]:
+    """(order (N,), [(row positions (n,), width)]): the rows of an (N, L) mask longest first, cut into
+    chunks of `chunk_rows` rows, or (chunk_rows 0) of as many rows as fit `chunk_tokens` at the chunk's
+    width (at least one), each with its widest row's end (the last attended position + 1, so a mask
+    with a hole inside keeps the tokens after it; >= 1). Longest first, a chunk's first row is its widest."""
+    if chunk_rows <= 0 and chunk_tokens <= 0:
+        raise ValueError("length_chunks needs chunk_rows > 0 or chunk_tokens > 0")
+    L = attention_mask.size(1)
+    ends = (attention_mask.ne(0) * torch.arange(1, L + 1, device=attention_mask.device)).amax(1).cpu().numpy()  # (N,)
+    order = longest_first(ends)
+    chunks, i = [], 0
+    while i < len(order):
+        width = max(int(ends[order[i]]), 1)
+        n = chunk_rows if chunk_rows > 0 else max(1, chunk_tokens // width)
+        chunks.append((order[i : i + n], width))
+        i += n
+    return order, chunks
+
+
+def run_length_chunks(fn, input_ids: torch.Tensor, attention_mask: torch.Tensor, *others: torch.Tensor | None,
+                      chunk_rows: int = 0, chunk_tokens: int = 0, pad_value: float | None = None) -> torch.Tensor:
+    """`fn(input_ids, attention_mask, *others)` over (N, L) rows, run longest first in chunks
+    (`length_chunks`: `chunk_rows` rows each, or as many as fit `chunk_tokens` tokens at the chunk's
+    width), each cut to its widest row; the outputs come back in the rows' own order, with their
+    autograd graph. A per-row output (n, ...) is concatenated; with `pad_value`, a per-token output
+    (n, width, ...) is padded back to width L with it. Columns past a row's last attended token change
+    nothing a BERT computes for the tokens before them (the attention mask hides them), so this equals
+    one forward at width L up to float rounding. `others` (N, L) are cut with the rows (None passes
+    through). Both sizes <= 0: that one forward. One chunk: the rows in their given order, cut to the
+    widest."""
+    if chunk_rows <= 0 and chunk_tokens <= 0:
+        return fn(input_ids, attention_mask, *others)
+    L = input_ids.size(1)
+
+    def widen(out: torch.Tensor, width: int) -> torch.Tensor:
+        if pad_value is None or width == L:
+            return out
+        return torch.nn.functional.pad(out, (0, 0) * (out.dim() - 2) + (0, L - width), value=pad_value)  # (n, L, ...)
+
+    order, chunks = length_chunks(attention_mask, chunk_rows, chunk_tokens)
+    if len(chunks) == 1:  # one chunk: no reordering, only the padding past the widest row goes
+        width = chunks[0][1]
+        return widen(fn(*(t if t is None else t[:, :width] for t in (input_ids, attention_mask, *others))), width)
+    parts = []
+    for rows, width in chunks:
+        rows = torch.as_tensor(rows, device=input_ids.device)  # (n,)
+        parts.append(widen(fn(*(t if t is None else t[rows, :width] for t in (input_ids, attention_mask, *others))), width))
+    return unsort_rows(torch.cat(parts), order)  # (N, ...) in the caller's order
+
+
+def set_length_chunk_tokens(model: nn.Module, chunk_tokens: int) -> int:
+    """Set `length_chunk_tokens` (`run_length_chunks`' token budget per chunk; 0 = off) on every module
+    of `model` that reads it (the bi-encoder, REALM's retriever and reader). Returns how many were set."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "length_chunk_tokens"):
+            m.length_chunk_tokens = int(chunk_tokens)
+            n += 1
+    return n
 
 
 def _dropout_overrides(dropout: float | None) -> dict:
@@ -204,12 +275,16 @@ def set_attention_dropout(model: nn.Module, p: float) -> int:
     return n
 
 
-def cls_pool(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def cls_pool(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
     """Last-layer [CLS] state (B, H) of a bare encoder or a *ForMaskedLM (its body). Token types are
-    all 0: every input here is one segment."""
+    all 0: every input here is one segment. `chunk_tokens` > 0: the rows run in length chunks of about
+    that many tokens (`run_length_chunks`); the same vectors up to float rounding."""
     body = getattr(encoder, "base_model", encoder)
-    out = body(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=torch.zeros_like(input_ids))
-    return out.last_hidden_state[:, 0]  # (B, H)
+
+    def pool(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return body(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids)).last_hidden_state[:, 0]
+
+    return run_length_chunks(pool, input_ids, attention_mask, chunk_tokens=chunk_tokens)  # (B, H)
 
 
 # ----------------------------------------------------------------------------------------------

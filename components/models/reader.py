@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from components.io import atomic_dir, write_json_atomic
-from components.models.encoder import longest_first, unsort_rows
+from components.models.encoder import run_length_chunks
 from components.models.span_scores import NEG, SpanMLP, marginal_nll, masked_log_softmax, span_pairs, span_valid
 
 if TYPE_CHECKING:
@@ -87,16 +87,6 @@ NO_SPAN = {"answer": "", "block": -1, "start": -1, "end": -1, "score": float("-i
 # ----------------------------------------------------------------------------------------------
 # the reader
 # ----------------------------------------------------------------------------------------------
-def length_chunks(attention_mask: torch.Tensor, chunk_rows: int) -> tuple[np.ndarray, list[tuple[np.ndarray, int]]]:
-    """(order (N,), [(row positions (n,), width)]): the rows of an (N, L) mask longest first, cut into
-    chunks of `chunk_rows`, each with its widest row's end (the last attended position + 1, so a mask
-    with a hole inside keeps the tokens after it; >= 1). Longest first, a chunk's first row is its widest."""
-    L = attention_mask.size(1)
-    ends = (attention_mask.ne(0) * torch.arange(1, L + 1, device=attention_mask.device)).amax(1).cpu().numpy()  # (N,)
-    order = longest_first(ends)
-    return order, [(order[i : i + chunk_rows], max(int(ends[order[i]]), 1)) for i in range(0, len(order), chunk_rows)]
-
-
 class SpanReader(nn.Module):
     """BERT over `[CLS] x [SEP] z [SEP]` -> span scores. An HF *ForQuestionAnswering, so the saved
     folder is a standard HF QA model; its start/end head `qa_outputs` is the `linear` scorer, and
@@ -168,20 +158,11 @@ class SpanReader(nn.Module):
                     max_answer_tokens: int, chunk_rows: int = 0) -> torch.Tensor:
         """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; `span_valid` says which are spans).
         `chunk_rows` > 0: the rows run longest first in chunks of that many, each cut to its widest
-        row (`length_chunks`), and come back in their own order at width L, NEG past a chunk's width
+        row (`encoder.run_length_chunks`), and come back in their own order at width L, NEG past a chunk's width
         (past the row's end: no valid span there). 0: one forward at width L, the reference; the two
         agree on every valid span up to float noise."""
-        if chunk_rows <= 0:
-            return self._span_scores(input_ids, attention_mask, token_type_ids, max_answer_tokens)
-        L = input_ids.size(1)
-        order, chunks = length_chunks(attention_mask, chunk_rows)
-        parts = []
-        for rows, width in chunks:
-            rows = torch.as_tensor(rows, device=input_ids.device)  # (n,)
-            cut = lambda t: t[rows, :width]  # noqa: E731
-            scores = self._span_scores(cut(input_ids), cut(attention_mask), cut(token_type_ids), max_answer_tokens)
-            parts.append(torch.nn.functional.pad(scores, (0, 0, 0, L - width), value=NEG))  # (n, L, A)
-        return unsort_rows(torch.cat(parts), order)  # (N, L, A) in the caller's order
+        scores = lambda ids, mask, types: self._span_scores(ids, mask, types, max_answer_tokens)  # noqa: E731
+        return run_length_chunks(scores, input_ids, attention_mask, token_type_ids, chunk_rows=chunk_rows, pad_value=NEG)  # (N, L, A)
 
     def _span_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor,
                      max_answer_tokens: int) -> torch.Tensor:

@@ -51,7 +51,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 from components.data.special_tokens import IGNORE_INDEX
 from components.io import atomic_dir, write_json_atomic
-from components.models.encoder import load_encoder, load_mlm_encoder
+from components.models.encoder import load_encoder, load_mlm_encoder, run_length_chunks
 from components.models.retriever import Retriever
 
 log = logging.getLogger(__name__)
@@ -93,13 +93,14 @@ def knowledge_augmented_inputs(
 class KnowledgeAugmentedEncoder(nn.Module):
     """p(y_j | x, z): a BERT masked LM reading `[CLS] x [SEP] z [SEP]`.
 
-    `masked_log_probs` runs the encoder once on all B*K pairs and applies the (vocab-sized) MLM
-    head only at the masked positions: the head is the most expensive part at small L.
+    `masked_log_probs` runs the encoder on all B*K pairs (once, or in length chunks) and applies the
+    (vocab-sized) MLM head only at the masked positions: the head is the most expensive part at small L.
     """
 
     def __init__(self, mlm: BertForMaskedLM):
         super().__init__()
         self.mlm = mlm
+        self.length_chunk_tokens = 0  # compute.length_chunk_tokens (set by the Trainer): how the pairs run, not saved
 
     @classmethod
     def from_config(cls, config: BertConfig) -> "KnowledgeAugmentedEncoder":
@@ -135,11 +136,15 @@ class KnowledgeAugmentedEncoder(nn.Module):
     ) -> torch.Tensor:
         """log p(. | x, z_k) at every masked token for every document: (M, K, V), float32."""
         B, K, L = input_ids.shape
-        hidden = self.mlm.bert(
-            input_ids=input_ids.view(B * K, L),
-            attention_mask=attention_mask.view(B * K, L),
-            token_type_ids=token_type_ids.view(B * K, L),
-        ).last_hidden_state  # (B*K, L, H)
+
+        def body(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+            return self.mlm.bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state  # (n, w, H)
+
+        # The B*K pairs differ in length (z's length, the null document's nothing), so with
+        # length_chunk_tokens they run in length chunks, each at its own width; the masked positions lie
+        # in x, before any pair's end, so the zeros padded back past a chunk's width are never read.
+        hidden = run_length_chunks(body, input_ids.view(B * K, L), attention_mask.view(B * K, L), token_type_ids.view(B * K, L),
+                                   chunk_tokens=self.length_chunk_tokens, pad_value=0.0)  # (B*K, L, H)
         hidden = hidden.view(B, K, L, -1)[mask_batch, :, mask_pos]  # (M, K, H): only masked tokens
         logits = self.mlm.cls(hidden)  # (M, K, V)
         return F.log_softmax(logits.float(), dim=-1)  # float32: logsumexp over K needs the precision

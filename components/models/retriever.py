@@ -25,7 +25,7 @@ from torch import nn
 from transformers import BertConfig, BertModel
 
 from components.io import atomic_dir, write_json_atomic
-from components.models.encoder import load_encoder, write_sentence_transformers_config
+from components.models.encoder import load_encoder, run_length_chunks, write_sentence_transformers_config
 
 RETRIEVER_CONFIG = "retriever_config.json"
 
@@ -67,6 +67,7 @@ class Retriever(nn.Module):
         if not self.share_towers:
             self._passage_encoder = passage_encoder
             self._passage_projection = passage_projection
+        self.length_chunk_tokens = 0  # compute.length_chunk_tokens (set by the Trainer): how the towers run, not saved
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -140,12 +141,15 @@ class Retriever(nn.Module):
     def passage_projection(self) -> nn.Linear:
         return self.query_projection if self.share_towers else self._passage_projection
 
-    @staticmethod
-    def _embed(encoder: nn.Module, proj: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def _embed(self, encoder: nn.Module, proj: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids  # (N, L)
-        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=types).last_hidden_state  # (N, L, H)
-        return proj(hidden[:, 0])  # (N, d): projected [CLS]
+
+        def cls(ids: torch.Tensor, mask: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
+            return encoder(input_ids=ids, attention_mask=mask, token_type_ids=tt).last_hidden_state[:, 0]  # (n, H)
+
+        # length_chunk_tokens: the rows in length chunks (encoder.run_length_chunks), the same [CLS] up to rounding
+        return proj(run_length_chunks(cls, input_ids, attention_mask, types, chunk_tokens=self.length_chunk_tokens))  # (N, d): projected [CLS]
 
     def encode_query(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Embed_input(x): (B, L) -> (B, d)."""

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 from components.config_shared import ComputeParams, TrainParams, batch_keys
-from components.models.encoder import set_attention_dropout
+from components.models.encoder import set_attention_dropout, set_length_chunk_tokens
 from components.models.ops.dropout import fast_dropout_masks, use_fast_dropout
 from components.progress import PROGRESS_EVERY_S, progress_line
 from components.training import checkpoint as ckpt
@@ -146,6 +146,10 @@ class Trainer:
             if self.rank == 0:
                 log.info("%s: compute.dropout_masks=%s: %d dropout modules draw fast masks", param_prefix,
                          compute.dropout_masks, n)
+        if compute.length_chunk_tokens:  # how the towers run, not what they compute: no parameter changes
+            n = set_length_chunk_tokens(self.raw_model, compute.length_chunk_tokens)
+            if self.rank == 0 and n:
+                log.info("%s: compute.length_chunk_tokens=%d on %d modules", param_prefix, compute.length_chunk_tokens, n)
         self.model: nn.Module = self.raw_model
         if self.world_size > 1:
             self.model = DDP(
