@@ -31,7 +31,7 @@ back; the block embed (index/embed.py `embed_blocks`) uses them across batches. 
 chunks of about T tokens, each cut to its own widest row: the collators pad a batch to its longest
 row, and a DPR batch of 16 passages of the shipped corpus holds ~1.75x its real tokens, ~1.1x in
 chunks. On a CPU a padded row costs more than its share of tokens (attention's (heads, L, L) work
-grows with the width), so the training steps run 2.5-2.9x faster (bench/bench_length_chunks.py).
+grows with the width), so the training steps run 2.6-3.0x faster (bench/bench_length_chunks.py).
 The towers that train on such rows (the bi-encoder, REALM's retriever and reader) read the budget
 from a `length_chunk_tokens` attribute, which `set_length_chunk_tokens(model, T)` sets for the Trainer
 (`compute.length_chunk_tokens`); 0 keeps one forward at the batch's width, the reference. The
