@@ -22,8 +22,6 @@ step is one query and its top_k candidates, the micro-batch the stages train on.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import statistics
 import sys
 import time
@@ -34,11 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_mfu import BUILDERS, cpu_model, git_commit, load_preset, train_step  # noqa: E402
+from bench.bench_mfu import BUILDERS, cpu_model, git_commit, minilm_bench_setup, train_step  # noqa: E402
 from components.data.realm_batch import SpecialTokens  # noqa: E402
 from components.data.tokenize import load_tokenizer  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
-from components.models.encoder import set_attention_dropout, warm_start_path  # noqa: E402
+from components.models.encoder import set_attention_dropout  # noqa: E402
 from components.models.ops.dropout import use_fast_dropout  # noqa: E402
 from components.training.precision import cpu_has_native_bf16  # noqa: E402
 
@@ -74,15 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true", help="print the top operators of one 'as is' step per model")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/dropout.json")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING)
-    for name in ("components", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-    params = load_preset(args.preset)
-    warm = warm_start_path(params)
-    if warm is None:
-        raise SystemExit(f"{args.preset}: warm_start.path is null; this benchmark measures the MiniLM-sized models")
+    params, warm = minilm_bench_setup(args.preset, args.threads)
     ids = SpecialTokens.from_tokenizer(load_tokenizer(warm))
     result = {"commit": git_commit(), "cpu": cpu_model(), "native_bf16": cpu_has_native_bf16(), "threads": args.threads,
               "precision": args.precision, "preset": args.preset, "rounds": args.rounds, "models": {}}

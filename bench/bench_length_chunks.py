@@ -27,7 +27,6 @@ realm.ict_batch_size batch without its activation checkpointing.
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import sys
 import time
@@ -39,12 +38,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_mfu import BUILDERS, Model, cpu_model, git_commit, load_preset, train_step  # noqa: E402
+from bench.bench_mfu import BUILDERS, Model, cpu_model, git_commit, minilm_bench_setup, train_step  # noqa: E402
 from components.data import beir  # noqa: E402
 from components.data.realm_batch import SpecialTokens  # noqa: E402
 from components.data.tokenize import load_tokenizer  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
-from components.models.encoder import set_length_chunk_tokens, warm_start_path  # noqa: E402
+from components.models.encoder import set_length_chunk_tokens  # noqa: E402
 from components.models.ict import ICTModel  # noqa: E402
 from components.models.ops.dropout import fast_dropout_masks, use_fast_dropout  # noqa: E402
 from components.models.retriever import Retriever  # noqa: E402
@@ -176,15 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/length_chunks.json")
     args = ap.parse_args(argv)
     chunks = sorted(set([0, *args.chunks]))
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING)
-    for name in ("components", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-    params = load_preset(args.preset)
-    warm = warm_start_path(params)
-    if warm is None:
-        raise SystemExit(f"{args.preset}: warm_start.path is null; this benchmark measures the MiniLM-sized models")
+    params, warm = minilm_bench_setup(args.preset, args.threads)
     tokenizer = load_tokenizer(warm)
     ids = SpecialTokens.from_tokenizer(tokenizer)
     lens = corpus_lengths(params, tokenizer)

@@ -204,6 +204,20 @@ def load_preset(preset: str) -> Params:
     return load_params(ROOT / "params.yaml", presets=[ROOT / preset])
 
 
+def minilm_bench_setup(preset: str, threads: int) -> tuple[Params, str]:
+    """The step benchmarks' common start: `threads` torch threads, expected warnings quiet ("no MLM head,
+    building one", "emulated bf16"), the preset's params and its warm-start folder (which must be set)."""
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("components", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    params = load_preset(preset)
+    warm = warm_start_path(params)
+    if warm is None:
+        raise SystemExit(f"{preset}: warm_start.path is null; this benchmark measures the MiniLM-sized models")
+    return params, warm
+
+
 @dataclass
 class Model:
     name: str

@@ -51,7 +51,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 from components.data.special_tokens import IGNORE_INDEX
 from components.io import atomic_dir, write_json_atomic
-from components.models.encoder import load_encoder, load_mlm_encoder, run_length_chunks
+from components.models.encoder import load_mlm_encoder, run_length_chunks
 from components.models.retriever import Retriever
 
 log = logging.getLogger(__name__)
