@@ -1,17 +1,17 @@
 """What running a training batch's rows in length chunks buys (`compute.length_chunk_tokens`): each
 model's training step at the presets' shapes, with the shipped corpus's real row lengths, run as one
-forward at the batch's width (0, the reference) against chunks of 2 / 4 / 8 rows, each cut to its own
-widest row (components/models/encoder.py `run_length_chunks`); interleaved rounds, medians, ratios
-against 0. Before timing, a fp32 check in eval mode (no dropout): the loss and gradients of every
-chunk size against 0's on the same batch.
+forward at the batch's width (0, the reference) against chunks of about 512 / 1024 / 2048 tokens, each
+cut to its own widest row (components/models/encoder.py `run_length_chunks`); interleaved rounds,
+medians, ratios against 0. Before timing, a fp32 check in eval mode (no dropout): the loss and
+gradients of every budget against 0's on the same batch.
 
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.bench_length_chunks     # -> bench/results/length_chunks.json
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.bench_length_chunks --preset params.yaml --models biencoder --rounds 3
 
-Why: the collators pad a batch to its longest row. The shipped corpus's blocks are 135 tokens on
-average and up to 256, so a DPR batch of 16 passages is ~1.8x its real tokens, and REALM's (x, z)
+Why: the collators pad a batch to its longest row. The shipped corpus's blocks are 133 tokens on
+average and up to 256, so a DPR batch of 16 passages is ~1.7x its real tokens, and REALM's (x, z)
 pairs hold the null document (x alone) beside full blocks. Sorted into chunks, each padded to its
-own widest row, the same rows cost ~1.15-1.35x their real tokens, and attention's (L, L) cost falls
+own widest row, the same rows cost ~1.1x their real tokens, and attention's (L, L) cost falls
 faster still. A chunk of few rows is a smaller matmul, which is why the budget is measured, not assumed.
 
 The batches: token ids are random (speed does not depend on them), the lengths are real. Each row's
