@@ -12,8 +12,14 @@ real stage bodies into a temporary folder; the questions are the first `--questi
 start with a fresh span head (speed does not depend on trained weights). bf16 (autocast) runs only where
 the CPU has native bf16, unless named in `--precisions`. Besides seconds: the tokens each setting feeds the
 BERT (load-independent), and how far the chunked answers are from the reference's (same answer, max |diff|
-of its score). Last, one training step (forward + backward, `finetune.qa_train.batch_size` questions) with
-and without buckets.
+of its score). Last, the training steps of the reader's two phases (forward + backward: the own-paragraph
+phase, `finetune.qa_gold_batch_size` questions with one block each, and the top-k phase,
+`finetune.qa_train.batch_size` questions), with the Trainer's dropout masks, for each of `--train-arms`:
+one forward (rows:0), chunks of N rows (`finetune.reader_chunk_rows`), or of about N tokens
+(`compute.length_chunk_tokens`, which the Trainer sets on the reader and which takes its place):
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_reader_buckets.py --questions 8 --chunks 0 --train-steps 4 \
+        --train-arms rows:2 rows:4 rows:8 tokens:512 tokens:1024 --out bench/results/reader_train_chunks.json
 """
 
 from __future__ import annotations
@@ -42,19 +48,21 @@ EVAL_BATCH = 8  # OpenQAPredictor's questions per batch
 
 def shipped_qa(tmp: Path, n_questions: int):
     """The default's blocks, tokenizer and the first `n_questions` of the evaluated split with their BM25
-    top k (and 64 training questions with theirs)."""
+    top k (and 64 training questions with theirs, and with their own paragraph: the reader's two phases)."""
     import datasets
 
     from components.data.finetune_data import load_qa
     from components.data.tokenize import load_tokenizer
-    from components.retrieval.search import bm25_qa_blocks
+    from components.retrieval.search import bm25_qa_blocks, gold_qa_blocks
 
     p, warm = prepare_and_tokenize(tmp, [])
     blocks = [dict(r) for r in datasets.load_from_disk(str(tmp / "tokens" / "blocks"))]  # in memory: time the reader, not Arrow
     texts = [b["text"] for b in blocks]
     rows = bm25_qa_blocks(load_qa(tmp / "corpus", p.evaluate.split)[:n_questions], p.finetune.qa_top_k, block_texts=texts)
-    train_rows = bm25_qa_blocks(load_qa(tmp / "corpus", "train")[:64], p.finetune.qa_top_k, block_texts=texts)
-    return p, warm, blocks, rows, train_rows, load_tokenizer(tmp / "tokens" / "tokenizer")
+    train_qa = load_qa(tmp / "corpus", "train")[:64]
+    train_rows = bm25_qa_blocks(train_qa, p.finetune.qa_top_k, block_texts=texts)
+    gold_rows = gold_qa_blocks(train_qa, [b["doc_id"] for b in blocks], texts)
+    return p, warm, blocks, rows, (train_rows, gold_rows), load_tokenizer(tmp / "tokens" / "tokenizer")
 
 
 def fed_tokens(masks: list[torch.Tensor], chunk_rows: int) -> int:
@@ -75,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fp32-chunks", type=int, nargs="+", default=None, help="chunks timed in fp32 besides 0 (default: --chunks)")
     ap.add_argument("--fp32-rounds", type=int, default=None, help="rounds in fp32 (default: --rounds)")
     ap.add_argument("--train-steps", type=int, default=3, help="timed training steps per setting (0: none)")
-    ap.add_argument("--train-chunk", type=int, default=None, help="reader_chunk_rows of the timed training step "
-                    "against 0 (default: params.yaml's finetune.reader_chunk_rows)")
+    ap.add_argument("--train-arms", nargs="+", default=None, help="how the timed training step chunks its rows, "
+                    "against one forward (rows:0): rows:N (reader_chunk_rows) or tokens:N (compute.length_chunk_tokens, "
+                    "which the Trainer sets; default: params.yaml's two)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/reader_buckets.json")
     args = ap.parse_args(argv)
     if args.chunks[0] != 0:
@@ -141,14 +150,27 @@ def main(argv: list[str] | None = None) -> None:
 
     train = {}
     if args.train_steps:
-        bs = ft.qa_train.batch_size
-        tb = [collate(train_rows[i : i + bs]) for i in range(0, bs * args.train_steps, bs)]
+        from components.models.ops.dropout import fast_dropout_masks, use_fast_dropout
+
+        if fast_dropout_masks(p.compute.dropout_masks, torch.device("cpu")):  # the Trainer's swap: the stages' step
+            use_fast_dropout(model)
         model.train()
         precision = precisions[0]
-        train_chunks = [0, args.train_chunk or ft.reader_chunk_rows]
+        arms = ["rows:0", *[a for a in (args.train_arms or [f"rows:{ft.reader_chunk_rows}",
+                                                             f"tokens:{p.compute.length_chunk_tokens}"]) if a != "rows:0"]]
+        train_qa, gold_qa = train_rows
+        gold_collate = QACollator.from_params(tok, blocks, None, ft, top_k=1)
+        phases = {  # the own-paragraph phase (one block per question), then the top-k phase
+            "gold": (ft.qa_gold_batch_size, [gold_collate(gold_qa[i : i + ft.qa_gold_batch_size])
+                                             for i in range(0, ft.qa_gold_batch_size * args.train_steps, ft.qa_gold_batch_size)]),
+            "top_k": (ft.qa_train.batch_size, [collate(train_qa[i : i + ft.qa_train.batch_size])
+                                               for i in range(0, ft.qa_train.batch_size * args.train_steps, ft.qa_train.batch_size)])}
 
-        def step(chunk_rows: int) -> float:
-            model.reader_chunk_rows = chunk_rows
+        def step(arm: str, tb: list[dict]) -> float:
+            kind, _, n = arm.partition(":")
+            if kind not in ("rows", "tokens") or not n.isdigit():
+                raise SystemExit(f"--train-arms: {arm!r} is not rows:N or tokens:N")
+            model.reader_chunk_rows, model.length_chunk_tokens = (int(n), 0) if kind == "rows" else (0, int(n))
             t0 = time.perf_counter()
             for batch in tb:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -157,15 +179,16 @@ def main(argv: list[str] | None = None) -> None:
                 model.zero_grad(set_to_none=True)
             return (time.perf_counter() - t0) / len(tb)
 
-        step(train_chunks[-1])  # warm-up
-        tt: dict[str, list[float]] = {str(c): [] for c in train_chunks}
-        for r in range(args.rounds):
-            for c in (train_chunks if r % 2 == 0 else train_chunks[::-1]):
-                tt[str(c)].append(step(c))
-            print(f"  train {precision} round {r + 1}: " + ", ".join(f"{c}: {tt[c][-1]:.2f}s/step" for c in tt), flush=True)
-        tmed = {c: statistics.median(v) for c, v in tt.items()}
-        train = {"precision": precision, "batch_size": bs, "steps": len(tb), "seconds_per_step": tt, "median_s": tmed,
-                 "speedup": tmed["0"] / tmed[str(train_chunks[-1])], "chunk_rows": train_chunks[-1]}
+        for phase, (bs, tb) in phases.items():
+            step(arms[-1], tb)  # warm-up
+            tt: dict[str, list[float]] = {c: [] for c in arms}
+            for r in range(args.rounds):
+                for c in (arms if r % 2 == 0 else arms[::-1]):
+                    tt[c].append(step(c, tb))
+                print(f"  train {phase} {precision} round {r + 1}: " + ", ".join(f"{c}: {tt[c][-1]:.2f}s/step" for c in tt), flush=True)
+            tmed = {c: statistics.median(v) for c, v in tt.items()}
+            train[phase] = {"precision": precision, "batch_size": bs, "steps": len(tb), "seconds_per_step": tt,
+                            "median_s": tmed, "speedup": {c: tmed["rows:0"] / m for c, m in tmed.items()}}
 
     res.update(
         questions=len(rows), top_k=ft.qa_top_k, eval_batch=EVAL_BATCH, fed_tokens=tokens, real_tokens=real,
@@ -187,10 +210,9 @@ def main(argv: list[str] | None = None) -> None:
             per = ", ".join(f"{r['seconds']['0'][i] / s:.2f}" for i, s in enumerate(r["seconds"][c]))
             print(f"| {precision} | {c} | {r['median_s'][c]:.1f} | {arm['speedup']:.2f}x | {per} | "
                   f"{arm['same_answer']:.3f} | {arm['max_abs_score_diff']:.2e} |")
-    if train:
-        print(f"training step ({train['precision']}, {train['batch_size']} questions): "
-              f"0: {train['median_s']['0']:.2f}s, {train['chunk_rows']}: {train['median_s'][str(train['chunk_rows'])]:.2f}s "
-              f"({train['speedup']:.2f}x)")
+    for phase, t in train.items():
+        print(f"training step, {phase} phase ({t['precision']}, {t['batch_size']} questions): " + ", ".join(
+            f"{c}: {m:.2f}s ({t['speedup'][c]:.2f}x)" for c, m in t["median_s"].items()))
     print(f"-> {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 
 

@@ -2,7 +2,8 @@
 each cut to its own longest row, then put back in their own order at the batch's width. Against the
 reference (`chunk_rows=0`, one forward over all rows): the same span scores on every valid span, the
 same gradients, for both span scorers, in training and under inference_mode, whatever the chunk size
-(1, a few, more than the rows)."""
+(1, a few, more than the rows), by rows or by the token budget the Trainer sets (`compute.length_chunk_tokens`),
+which takes the place of the rows."""
 
 from __future__ import annotations
 
@@ -94,17 +95,25 @@ def test_a_mask_with_a_hole_is_cut_at_its_last_attended_position():
     torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
 
 
-def make_openqa(vocab: int, scorer: str, chunk_rows: int, softmax: str = "per_block") -> OpenQA:
+def make_openqa(vocab: int, scorer: str, chunk_rows: int, softmax: str = "per_block", chunk_tokens: int = 0) -> OpenQA:
     torch.manual_seed(0)
     cfg = tiny_reader_config(vocab)
     reader = SpanReader.from_config(cfg, span_scorer=scorer, span_hidden=16)
-    return OpenQA(BiEncoder.from_config(cfg), reader, max_answer_tokens=A, span_softmax=softmax, reader_chunk_rows=chunk_rows)
+    model = OpenQA(BiEncoder.from_config(cfg), reader, max_answer_tokens=A, span_softmax=softmax, reader_chunk_rows=chunk_rows)
+    model.length_chunk_tokens = chunk_tokens  # what the Trainer sets from compute.length_chunk_tokens
+    return model
 
 
+# (reader_chunk_rows, length_chunk_tokens): 2 rows a chunk; a token budget of one row a chunk, and of a
+# few rows (which takes the place of reader_chunk_rows)
+CHUNKINGS = [(2, 0), (0, 1), (8, 64)]
+
+
+@pytest.mark.parametrize("chunk_rows, chunk_tokens", CHUNKINGS)
 @pytest.mark.parametrize("scorer, softmax", [("linear", "per_block"), ("mlp", "joint")])
-def test_openqa_loss_gradients_and_predictions_match_the_reference(tok, collate, scorer, softmax):  # noqa: F811
+def test_openqa_loss_gradients_and_predictions_match_the_reference(tok, collate, scorer, softmax, chunk_rows, chunk_tokens):  # noqa: F811
     batch = collate(ROWS)
-    ref, got = make_openqa(len(tok), scorer, 0, softmax), make_openqa(len(tok), scorer, 2, softmax)
+    ref, got = make_openqa(len(tok), scorer, 0, softmax), make_openqa(len(tok), scorer, chunk_rows, softmax, chunk_tokens)
     out_ref, out_got = ref(batch), got(batch)  # training mode (dropout 0 in the tiny config)
     out_ref["loss"].backward()
     out_got["loss"].backward()
@@ -131,3 +140,21 @@ def test_chunk_rows_is_validated_and_reaches_a_loaded_model(tok, tmp_path):  # n
     folder = make_openqa(len(tok), "linear", 4).save_pretrained(tmp_path / "qa")
     assert OpenQA.from_pretrained(folder).reader_chunk_rows == 0  # a run setting: not saved
     assert OpenQA.from_pretrained(folder, 8).reader_chunk_rows == 8
+
+
+def test_the_trainer_sets_the_token_budget_on_the_reader_in_place_of_its_rows(tok, collate, tmp_path):  # noqa: F811
+    from components.config_shared import ComputeParams, TrainParams
+    from components.models.encoder import length_chunks
+    from components.training.trainer import Trainer
+
+    model = make_openqa(len(tok), "linear", 8)
+    compute = ComputeParams(device="cpu", seed=1, precision="fp32", length_chunk_tokens=64)
+    Trainer(model, [0], lambda rows, generator=None: {}, TrainParams(max_steps=1, batch_size=1), compute, tmp_path)
+    assert model.length_chunk_tokens == 64 and model.reader_chunk_rows == 8
+    batch = collate(ROWS)
+    B, K, L = batch["input_ids"].shape
+    seen = []
+    model.reader._span_scores = lambda ids, *a: seen.append(tuple(ids.shape)) or torch.zeros(ids.shape[0], ids.shape[1], A)
+    model.span_scores(batch)
+    assert len(seen) > 1  # the budget cuts this batch into several chunks
+    assert seen == [(len(rows), width) for rows, width in length_chunks(batch["attention_mask"].reshape(B * K, L), 0, 64)[1]]

@@ -55,7 +55,8 @@ Usage (the batches: components/data/qa_batch.py):
 
 Speed: the collator pads every (x, z) row of a batch to its longest (~290 tokens over blocks of
 ~128); `finetune.reader_chunk_rows` runs the B*K rows through the BERT in length-sorted chunks, each
-at its own width (`SpanReader.span_scores`), in training and at evaluation alike.
+at its own width (`SpanReader.span_scores`). Under the Trainer, `compute.length_chunk_tokens` (a token
+budget per chunk, as in every other training step) takes its place.
 
 Shapes: B questions, K blocks per question, L reader length, A = max_answer_tokens, D embedding dim.
 """
@@ -155,14 +156,16 @@ class SpanReader(nn.Module):
         return out.start_logits, out.end_logits  # (N, L) each
 
     def span_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor,
-                    max_answer_tokens: int, chunk_rows: int = 0) -> torch.Tensor:
+                    max_answer_tokens: int, chunk_rows: int = 0, chunk_tokens: int = 0) -> torch.Tensor:
         """f(s) (N, L, A): [n, i, w] scores the span i..i+w (unmasked; `span_valid` says which are spans).
-        `chunk_rows` > 0: the rows run longest first in chunks of that many, each cut to its widest
-        row (`encoder.run_length_chunks`), and come back in their own order at width L, NEG past a chunk's width
-        (past the row's end: no valid span there). 0: one forward at width L, the reference; the two
-        agree on every valid span up to float noise."""
+        `chunk_rows` > 0 (or else `chunk_tokens` > 0): the rows run longest first in chunks of that many
+        rows (of about that many tokens), each cut to its widest row (`encoder.run_length_chunks`), and
+        come back in their own order at width L, NEG past a chunk's width (past the row's end: no valid
+        span there). Both 0: one forward at width L, the reference; they agree on every valid span up
+        to float noise."""
         scores = lambda ids, mask, types: self._span_scores(ids, mask, types, max_answer_tokens)  # noqa: E731
-        return run_length_chunks(scores, input_ids, attention_mask, token_type_ids, chunk_rows=chunk_rows, pad_value=NEG)  # (N, L, A)
+        return run_length_chunks(scores, input_ids, attention_mask, token_type_ids, chunk_rows=chunk_rows,
+                                 chunk_tokens=chunk_tokens, pad_value=NEG)  # (N, L, A)
 
     def _span_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor,
                      max_answer_tokens: int) -> torch.Tensor:
@@ -188,6 +191,8 @@ class OpenQA(nn.Module):
     answer_in_block (B, K).
     `reader_chunk_rows`: the reader's length bucketing (`SpanReader.span_scores`; 0 = off). It changes
     speed, not results (float noise aside), so it is a run setting, not saved in openqa_config.json.
+    `length_chunk_tokens` (0 = off; the Trainer sets it from `compute.length_chunk_tokens`, as on every
+    tower it trains): chunks of about that many tokens instead, in its place.
     """
 
     def __init__(self, retriever: nn.Module | None, reader: SpanReader, max_answer_tokens: int = 10,
@@ -198,6 +203,7 @@ class OpenQA(nn.Module):
         if reader_chunk_rows < 0:
             raise ValueError(f"reader_chunk_rows must be >= 0 (0 = one forward over all rows), got {reader_chunk_rows}")
         self.reader_chunk_rows = reader_chunk_rows  # how the reader runs, not what it is: not saved
+        self.length_chunk_tokens = 0
         if span_softmax not in SPAN_SOFTMAX:
             raise ValueError(f"span_softmax must be one of {SPAN_SOFTMAX}, got {span_softmax!r}")
         self.retriever, self.reader, self.max_answer_tokens = retriever, reader, max_answer_tokens
@@ -235,12 +241,14 @@ class OpenQA(nn.Module):
     # -- f(s) and p(s | x, z) -----------------------------------------------------------------------
     def span_scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(f(s), valid), each (B, K, L, A): the reader over all B*K (x, z) pairs, in length-sorted
-        chunks of `reader_chunk_rows` (0: all at once); either way at the batch's width L."""
+        chunks of about `length_chunk_tokens` tokens, else of `reader_chunk_rows` rows (both 0: all at
+        once); either way at the batch's width L."""
         B, K, L = batch["input_ids"].shape
         flat = lambda t: t.reshape(B * K, L)  # noqa: E731
+        rows = 0 if self.length_chunk_tokens else self.reader_chunk_rows
         scores = self.reader.span_scores(flat(batch["input_ids"]), flat(batch["attention_mask"]),
                                          flat(batch["token_type_ids"]), self.max_answer_tokens,
-                                         self.reader_chunk_rows)  # (B*K, L, A)
+                                         rows, self.length_chunk_tokens)  # (B*K, L, A)
         ctx = batch["context_mask"]
         # Spans start/end on word boundaries when the collator says where they are (every correct
         # span does), so no probability mass goes to "##ing"-like fragments the metric can't match.
