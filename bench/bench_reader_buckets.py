@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -48,7 +49,8 @@ EVAL_BATCH = 8  # OpenQAPredictor's questions per batch
 
 def shipped_qa(tmp: Path, n_questions: int):
     """The default's blocks, tokenizer and the first `n_questions` of the evaluated split with their BM25
-    top k (and 64 training questions with theirs, and with their own paragraph: the reader's two phases)."""
+    top k (and 64 training questions drawn at random with theirs, and with their own paragraph: the reader's
+    two phases)."""
     import datasets
 
     from components.data.finetune_data import load_qa
@@ -59,7 +61,7 @@ def shipped_qa(tmp: Path, n_questions: int):
     blocks = [dict(r) for r in datasets.load_from_disk(str(tmp / "tokens" / "blocks"))]  # in memory: time the reader, not Arrow
     texts = [b["text"] for b in blocks]
     rows = bm25_qa_blocks(load_qa(tmp / "corpus", p.evaluate.split)[:n_questions], p.finetune.qa_top_k, block_texts=texts)
-    train_qa = load_qa(tmp / "corpus", "train")[:64]
+    train_qa = random.Random(0).sample(load_qa(tmp / "corpus", "train"), 64)  # as the Trainer draws them: across articles
     train_rows = bm25_qa_blocks(train_qa, p.finetune.qa_top_k, block_texts=texts)
     gold_rows = gold_qa_blocks(train_qa, [b["doc_id"] for b in blocks], texts)
     return p, warm, blocks, rows, (train_rows, gold_rows), load_tokenizer(tmp / "tokens" / "tokenizer")
