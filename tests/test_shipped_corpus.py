@@ -11,7 +11,6 @@ import gzip
 import hashlib
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import pytest

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from components.config_stages import DataParams, TokenizeParams
 from components.data.errors import DataError
 from components.data.prepare import prepare_corpus
-from components.data.tokenize import load_tokenizer, pack_pretrain_blocks, split_retrieval_blocks, tokenize_corpus, word_chunks
+from components.data.tokenize import load_tokenizer, pack_pretrain_blocks, tokenize_corpus, word_chunks
 
 
 @pytest.fixture(scope="module")
