@@ -162,11 +162,13 @@ def main(argv: list[str] | None = None) -> None:
                                                              f"tokens:{p.compute.length_chunk_tokens}"]) if a != "rows:0"]]
         train_qa, gold_qa = train_rows
         gold_collate = QACollator.from_params(tok, blocks, None, ft, top_k=1)
-        phases = {  # the own-paragraph phase (one block per question), then the top-k phase
-            "gold": (ft.qa_gold_batch_size, [gold_collate(gold_qa[i : i + ft.qa_gold_batch_size])
-                                             for i in range(0, ft.qa_gold_batch_size * args.train_steps, ft.qa_gold_batch_size)]),
-            "top_k": (ft.qa_train.batch_size, [collate(train_qa[i : i + ft.qa_train.batch_size])
-                                               for i in range(0, ft.qa_train.batch_size * args.train_steps, ft.qa_train.batch_size)])}
+
+        def steps_of(collate_fn, qa: list[dict], bs: int) -> tuple[int, list[dict]]:
+            return bs, [collate_fn(qa[i : i + bs]) for i in range(0, bs * args.train_steps, bs)]
+
+        # the own-paragraph phase (one block per question), then the top-k phase
+        phases = {"gold": steps_of(gold_collate, gold_qa, ft.qa_gold_batch_size),
+                  "top_k": steps_of(collate, train_qa, ft.qa_train.batch_size)}
 
         def step(arm: str, tb: list[dict]) -> float:
             kind, _, n = arm.partition(":")

@@ -30,7 +30,6 @@ BATCH_QUESTIONS = 8  # questions per forward pass: (B, K, L) with K windows each
 
 class ReaderModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-
         from components.data.qa_batch import QACollator
         from components.data.tokenize import load_tokenizer
         from components.models.reader import OpenQA, SpanReader
