@@ -314,8 +314,29 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def s3_client(endpoint_url: str | None = None, max_attempts: int = 5, connect_timeout: float = 5.0, read_timeout: float = 30.0):
+DEFAULT_S3_ATTEMPTS = 5
+
+
+def s3_max_attempts() -> int:
+    """Attempts per S3 call, the first one included: $AWS_MAX_ATTEMPTS (the AWS SDKs' own variable,
+    with the same meaning) if set, else 5."""
+    raw = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    if not raw:
+        return DEFAULT_S3_ATTEMPTS
+    try:
+        attempts = int(raw)
+    except ValueError:
+        attempts = 0
+    if attempts < 1:
+        raise ValueError(f"AWS_MAX_ATTEMPTS={raw!r}: expected a whole number of attempts per S3 call "
+                         f"(1 = no retry), or unset it for {DEFAULT_S3_ATTEMPTS}")
+    return attempts
+
+
+def s3_client(endpoint_url: str | None = None, max_attempts: int | None = None, connect_timeout: float = 5.0,
+              read_timeout: float = 30.0):
     """A boto3 S3 client. Endpoint: the argument, else $AWS_ENDPOINT_URL(_S3), else AWS.
+    Attempts per call, the first one included: the argument, else `s3_max_attempts()`.
 
     Credentials come only from the environment / standard AWS config, never from params.
     """
@@ -324,7 +345,9 @@ def s3_client(endpoint_url: str | None = None, max_attempts: int = 5, connect_ti
 
     endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     cfg = Config(
-        retries={"max_attempts": max_attempts, "mode": "standard"},  # exponential backoff with jitter
+        # Standard mode: exponential backoff with jitter, each wait capped at 20 s. botocore's own
+        # `max_attempts` key counts retries only; `total_max_attempts` counts as AWS_MAX_ATTEMPTS does.
+        retries={"total_max_attempts": max_attempts or s3_max_attempts(), "mode": "standard"},
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
         s3={"addressing_style": "path"},

@@ -509,10 +509,13 @@ class PrefectServer(LocalServer):
 
     def __init__(self, workdir, host: str = LOCALHOST, port: int | None = None,
                  pool: str = "retro-realm-process", worker: bool = True, ui: bool = False,
-                 worker_env: dict[str, str] | None = None):
+                 worker_env: dict[str, str] | None = None, worker_query_seconds: float | None = None):
         super().__init__(workdir, host, port)
         self.pool = pool
         self.with_worker = worker
+        # How often the worker asks for scheduled runs (Prefect's default: 10 s). A flow run waits up
+        # to this long before the worker picks it up.
+        self.worker_query_seconds = worker_query_seconds
         self.ui = ui
         self.worker_env = dict(worker_env or {})
         self.worker_name = f"rr-test-worker-{os.getpid()}"
@@ -541,6 +544,8 @@ class PrefectServer(LocalServer):
         if self.worker.group_alive():
             return
         env = {**super().server_env(), **self.env, **self.worker_env}
+        if self.worker_query_seconds is not None:
+            env["PREFECT_WORKER_QUERY_SECONDS"] = str(self.worker_query_seconds)
         self.worker.spawn([_tool("prefect"), "worker", "start", "--pool", self.pool, "--type", "process",
                            "--name", self.worker_name], env, cwd=self.workdir)
         deadline = time.monotonic() + float(os.environ.get("RR_SERVER_START_TIMEOUT") or timeout)
@@ -610,6 +615,7 @@ def mlflow_server(tmp_path_factory, s3_server) -> MLflowServer:
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory) -> PrefectServer:
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-server")).start()
+    # The worker polls every 2 s, not 10: each deployment run in the suite starts sooner.
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-server"), worker_query_seconds=2.0).start()
     yield server
     server.stop()

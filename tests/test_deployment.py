@@ -690,8 +690,8 @@ def test_a_second_run_waits_for_the_workspace_queue_slot(prefect_server, tmp_pat
     wait(lambda: "RUNNING" in [state(r) for r in runs], "no run started")
     first = next(r for r in runs if state(r) == "RUNNING")
     second = runs[1 - runs.index(first)]
-    # two worker polls (10 s each) while the first holds the slot: the second is not handed out
-    t_end = time.monotonic() + 25
+    # two and a half worker polls while the first holds the slot: the second is not handed out
+    t_end = time.monotonic() + 2.5 * (prefect_server.worker_query_seconds or 10.0)
     while time.monotonic() < t_end:
         assert state(second) in {"SCHEDULED", "PENDING"}, state(second)
         time.sleep(1.0)
