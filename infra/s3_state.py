@@ -75,24 +75,60 @@ def ensure_buckets(client, buckets) -> list[str]:
     return created
 
 
-def snapshot(client, folder: str | os.PathLike) -> int:
+# Objects are copied by this many threads at once: each copy is one request to a local endpoint, so a
+# sequential loop waits on round trips (~14 ms an object against moto: 8 s for 600), not on bandwidth.
+COPY_THREADS = 8
+
+
+def _each(fn, jobs: list, threads: int) -> None:
+    """fn(*job) for every job on `threads` threads (boto3 clients are thread-safe); the first error
+    is raised once every job has finished or failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for future in [pool.submit(fn, *job) for job in jobs]:
+            future.result()
+
+
+# Up to this size an object is one GET / PUT; above it, boto3's transfer manager (ranged GETs,
+# multipart PUTs), whose per-call set-up costs more than a small object's whole copy.
+SINGLE_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+def _get(client, bucket: str, key: str, size: int, path: str) -> None:
+    if size > SINGLE_REQUEST_BYTES:
+        client.download_file(bucket, key, path)
+        return
+    with open(path, "wb") as f:
+        shutil.copyfileobj(client.get_object(Bucket=bucket, Key=key)["Body"], f)
+
+
+def _put(client, path: str, bucket: str, key: str) -> None:
+    if os.path.getsize(path) > SINGLE_REQUEST_BYTES:
+        client.upload_file(path, bucket, key)
+        return
+    with open(path, "rb") as f:
+        client.put_object(Bucket=bucket, Key=key, Body=f)
+
+
+def snapshot(client, folder: str | os.PathLike, threads: int = COPY_THREADS) -> int:
     """Copy every object of every bucket into `folder` (atomically replaced); return the count."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "objects").mkdir(parents=True)
     manifest: dict = {"buckets": {}}
-    count = 0
+    jobs = []
     for bucket in sorted(b["Name"] for b in client.list_buckets().get("Buckets", [])):
         entries = []
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
             for obj in page.get("Contents", []):
                 # Files are numbered: an object key ("../x", "a/", "a/b/") is never a safe path.
-                fname = f"{count:08d}"
-                client.download_file(bucket, obj["Key"], str(tmp / "objects" / fname))
+                fname = f"{len(jobs):08d}"
+                jobs.append((bucket, obj["Key"], obj["Size"], str(tmp / "objects" / fname)))
                 entries.append({"key": obj["Key"], "file": fname})
-                count += 1
         manifest["buckets"][bucket] = entries
+    _each(lambda *job: _get(client, *job), jobs, threads)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     old = folder.with_name(folder.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -100,22 +136,20 @@ def snapshot(client, folder: str | os.PathLike) -> int:
         os.replace(folder, old)
     os.replace(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
-    return count
+    return len(jobs)
 
 
-def restore(client, folder: str | os.PathLike) -> int:
+def restore(client, folder: str | os.PathLike, threads: int = COPY_THREADS) -> int:
     """Recreate the buckets and objects of a snapshot; return the object count (0 if none)."""
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
         return 0
     manifest = json.loads((folder / MANIFEST).read_text())
     ensure_buckets(client, manifest["buckets"])
-    count = 0
-    for bucket, entries in manifest["buckets"].items():
-        for e in entries:
-            client.upload_file(str(folder / "objects" / e["file"]), bucket, e["key"])
-            count += 1
-    return count
+    jobs = [(str(folder / "objects" / e["file"]), bucket, e["key"]) for bucket, entries in manifest["buckets"].items()
+            for e in entries]
+    _each(lambda *job: _put(client, *job), jobs, threads)
+    return len(jobs)
 
 
 def main(argv: list[str] | None = None) -> int:
