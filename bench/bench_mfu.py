@@ -31,9 +31,11 @@ by the same constructors the stages use:
                (1 + hard_negatives) passages each x passage_len = 16 x 256 (bench_step_parts'
                batch, every row full length: real questions are shorter, so this is the upper end)
     realm      REALM (shared retriever towers, retriever_dim 384, reader = MiniLM + a fresh MLM head),
-               realm.train.batch_size x top_k = 8 x 4 candidates (slot 0 the null document),
-               query_len 48, block_len 256: 32 reader rows of 304 tokens, 32 + 8 retriever rows
-               (bench_step_parts' batch: full-length x with one masked span of 2-10 tokens)
+               one micro-batch of realm.train.batch_size / grad_accum queries x top_k candidates
+               (small: 2 x 4, slot 0 the null document), query_len 48, block_len 256: 8 reader rows
+               of 304 tokens, 8 + 2 retriever rows (bench_step_parts' batch: full-length x with one
+               masked span of 2-10 tokens); with realm.freeze_reader (small) the reader is frozen as
+               the stage freezes it after its warm-ups, so its rows are read under no_grad
 `--compile` adds a `compiled` variant of every arm: the same module (the same parameters and optimiser)
 behind `torch.compile` (inductor; C++ kernels on a CPU, so it needs a C++ compiler), whose first steps
 compile it (`compile_s`, reported apart, never timed as a step). Its FLOPs are the eager step's: the
@@ -255,14 +257,19 @@ def build_biencoder(params: Params, warm: str, ids: SpecialTokens, div: int) -> 
 
 def build_realm(params: Params, warm: str, ids: SpecialTokens, div: int) -> Model:
     r = params.realm
-    s = {"realm_batch": max(1, r.train.batch_size // div), "top_k": r.top_k, "query_len": r.query_len,
+    # The stage's micro-batch: batch_size / grad_accum queries, each micro-batch its own forward and
+    # backward (small: 16 / 8 = 2 queries, 8 reader rows).
+    s = {"realm_batch": max(1, r.train.batch_size // (div * r.train.grad_accum)), "top_k": r.top_k, "query_len": r.query_len,
          "block_len": r.block_len, "vocab": ids.vocab_size}
     # the stage's build_model with retriever_init: retromae, from the warm-start folder
     torch.manual_seed(params.compute.seed)
     model = REALM(Retriever.from_encoder(warm, r.retriever_dim, r.share_towers), KnowledgeAugmentedEncoder.from_pretrained(warm),
                   r.marginalization)
+    if r.freeze_reader:
+        model.freeze_reader()  # as after the stage's warm-ups: the reader reads under no_grad, only the retriever trains
     batch = realm_batch(s, np.random.default_rng(0))  # x (B, Lx), z (B, K, Lz): reader rows (B*K, Lx+Lz)
-    return Model("realm", model, batch, r.train, {**s, "retriever_dim": r.retriever_dim, "share_towers": r.share_towers})
+    return Model("realm", model, batch, r.train, {**s, "retriever_dim": r.retriever_dim, "share_towers": r.share_towers,
+                                                  "freeze_reader": r.freeze_reader, "grad_accum": r.train.grad_accum})
 
 
 BUILDERS = {"retromae": build_retromae, "biencoder": build_biencoder, "realm": build_realm}
