@@ -3,7 +3,7 @@
 # (+ a process work pool and one worker). Bound to 127.0.0.1; state, pids, ports and logs under
 # .servers/ (gitignored).
 #
-#   infra/servers.sh up     [s3|mlflow|prefect|all]    # default all; mlflow starts s3 first
+#   infra/servers.sh up     [s3|mlflow|prefect|all]    # default all (s3, then mlflow and prefect at once); mlflow starts s3 first
 #   infra/servers.sh down   [s3|mlflow|prefect|all]    # stops the whole process group of each
 #   infra/servers.sh status [s3|mlflow|prefect|all]
 #   infra/servers.sh logs   s3|mlflow|prefect|worker   # tail -n 50 of the log
@@ -267,8 +267,20 @@ main() {
   esac
   mkdir -p "$STATE"
   case $cmd in
-    up) for n in "${names[@]}"; do "up_$n"; done
-        if [ "$what" = all ]; then say 'ready: eval "$(infra/env.sh)" to use them'; fi ;;
+    up) if [ "$what" = all ]; then
+          up_s3
+          # MLflow and Prefect need only S3 (MLflow's artifacts), not each other: both start at once,
+          # each in its own subshell, whose `die` ends that subshell with its message.
+          local mlflow_job prefect_job failed=""
+          up_mlflow & mlflow_job=$!
+          up_prefect & prefect_job=$!
+          wait "$mlflow_job" || failed="mlflow"
+          wait "$prefect_job" || failed="${failed:+$failed, }prefect"
+          [ -z "$failed" ] || die "$failed did not start (see above); \`infra/servers.sh status\` shows what is up"
+          say 'ready: eval "$(infra/env.sh)" to use them'
+        else
+          for n in "${names[@]}"; do "up_$n"; done
+        fi ;;
     down) # reverse order: nothing loses its backend while still running
         for ((i = ${#names[@]} - 1; i >= 0; i--)); do "down_${names[i]}"; done ;;
     status) for n in "${names[@]}"; do status_one "$n"; done ;;
