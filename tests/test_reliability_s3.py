@@ -93,7 +93,7 @@ def test_upload_to_a_missing_bucket_is_an_s3error_naming_it(s3, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # endpoint down / hanging
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.slow  # reason: botocore's standard retry mode really waits (~5 s download, ~20 s upload) on a dead endpoint
+@pytest.mark.slow  # reason: stops and restarts the session's endpoint, which snapshots and restores every object it holds
 def test_endpoint_down_fails_in_bounded_time_naming_key_and_endpoint(s3, tmp_path, monkeypatch):
     server, prefix = s3
     _put(server.client(), f"{prefix}/corpus/a.txt", "some text\n")
