@@ -1,8 +1,8 @@
 """Build `corpora/squad-v1.1-dev-a0-11/`, the small real corpus the repo ships (the `small` preset's data).
 
-    .venv/bin/python scripts/build_shipped_corpus.py --from-beir ../shared/data/squad-dev-a0-11
+    .venv/bin/python scripts/build_shipped_corpus.py --from-beir path/to/squad-dev-a0-11
     .venv/bin/python scripts/build_shipped_corpus.py --from-hf rajpurkar/squad --split validation --articles 0-11
-    .venv/bin/python scripts/build_shipped_corpus.py --from-beir ../shared/data/squad-dev-a0-11 --check
+    .venv/bin/python scripts/build_shipped_corpus.py --from-beir path/to/squad-dev-a0-11 --check
 
 `--from-beir` re-encodes a BEIR folder in the shipped layout (corpus.jsonl, queries.jsonl, qa.jsonl
 and qrels/test.tsv, every record and field kept as it is); `--from-hf` converts a SQuAD-schema dataset
@@ -123,7 +123,7 @@ def summary(out: str | Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-beir", type=Path, help="a BEIR folder (e.g. ../shared/data/squad-dev-a0-11)")
+    src.add_argument("--from-beir", type=Path, help="a BEIR folder (e.g. a copy of squad-dev-a0-11 in BEIR layout)")
     src.add_argument("--from-hf", help="a SQuAD-schema HF dataset: hub name (online) or save_to_disk folder")
     ap.add_argument("--split", default="validation", help="--from-hf: the dataset split (SQuAD's dev set is `validation`)")
     ap.add_argument("--articles", default="0-11", help="--from-hf: article indexes to keep, e.g. 0-11 ('' = all)")

@@ -143,7 +143,7 @@ _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _DOTTED = re.compile(r"`(\.\.?/[^`\s]*)`")
 
 
-# The READMEs and every docs page: a user's clone has no ../shared and no absolute paths.
+# The READMEs and every docs page: a user's clone has only the repository (no folder beside it) and no absolute paths.
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
