@@ -7,18 +7,20 @@ machine's matmul peak, where its time goes, and the two alternatives tried for i
 What is measured, in one process:
     embed     the default's retrieval blocks (the shipped corpus, prepared and tokenized by the real stage
               bodies into a temporary folder) embedded by the warm start with [CLS] pooling, as evaluate's
-              dense rows and REALM's index refresh do (`components.eval.dense.encode_token_rows`: longest
-              first, `evaluate.batch_size` rows per forward, `evaluate.passage_len`), under
+              dense rows embed them (`components.eval.dense.encode_token_rows`: longest first,
+              `evaluate.batch_size` rows per forward, `evaluate.passage_len`; REALM's index refresh
+              takes the same `embed_blocks` path at `realm.embed_batch_size`), under
               `torch.inference_mode()` and autocast in each precision. Median seconds over `--rounds`,
               and MFU = (the pass's FLOPs / seconds) / the measured matmul peak of that precision (FLOPs
               and peak as bench/bench_mfu.py counts and measures them: Linear layers and attention).
     profile   one bf16 pass (fp32 without native bf16) under torch.profiler: the share of self CPU
               time in the Linear layers' GEMMs, in attention, and in everything else.
-    attention the scaled-dot-product attention of one such forward alone (`--attn-rows` rows x 12 heads
-              x L tokens x 32, a padding mask on every other row) at each `--attn-len` (default: the
-              shipped blocks' mean, 130 with [CLS] and [SEP], and the longest, 256): SDPA's default kernel
-              (the CPU flash kernel), its math backend, and a hand-written matmul + softmax + matmul, as
-              TFLOP/s (4 * B * H * L^2 * d FLOPs) and against the default.
+    attention the scaled-dot-product attention of one such forward alone: `--attn-rows` rows x the
+              model's heads (12) x L tokens x its head width (32), a padding mask on every other row,
+              at each `--attn-len` (default: the shipped blocks' mean, 130 with [CLS] and [SEP], and
+              the longest, 256). SDPA's default kernel (the CPU flash kernel), its math backend, and a
+              hand-written matmul + softmax + matmul, as TFLOP/s (4 * B * H * L^2 * d FLOPs) and
+              against the default.
     linear_cast  the Linear layers' weights cast to bf16 once, before the pass, against autocast casting
               them at every call: whether the output is the same bits, and the time ratio.
 """
@@ -105,9 +107,8 @@ def time_shares(fn: Callable[[], Any]) -> dict[str, float]:
     return {k: v / total for k, v in kinds.items()}
 
 
-def attention_arms(rows: int, length: int, dtype: torch.dtype, rounds: int) -> dict[str, dict]:
-    """SDPA's default kernel, its math backend and a hand-written one on (rows, 12, length, 32)."""
-    heads, dim = 12, 32
+def attention_arms(rows: int, heads: int, length: int, dim: int, dtype: torch.dtype, rounds: int) -> dict[str, dict]:
+    """SDPA's default kernel, its math backend and a hand-written one on (rows, heads, length, dim)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(rows, heads, length, dim, generator=g).to(dtype) for _ in range(3))
     mask = torch.zeros(rows, 1, 1, length, dtype=dtype)
@@ -186,10 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
                          "time_share": time_shares(embed_pass(encoder, rows, tokenizer, ev, main_precision))}
     print("time shares ({}): {}".format(main_precision, ", ".join(f"{k} {v:.0%}" for k, v in result["profile"]["time_share"].items())))
     result["attention"] = []
+    heads = cfg.num_attention_heads
+    dim = cfg.hidden_size // heads
     for length in args.attn_len:
         for precision in precisions:
-            arms = attention_arms(args.attn_rows, length, torch.bfloat16 if precision == "bf16" else torch.float32, args.rounds)
-            result["attention"].append({"shape": [args.attn_rows, 12, length, 32], "precision": precision, "arms": arms})
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+            arms = attention_arms(args.attn_rows, heads, length, dim, dtype, args.rounds)
+            result["attention"].append({"shape": [args.attn_rows, heads, length, dim], "precision": precision, "arms": arms})
             for name, a in arms.items():
                 print(f"attention L={length} {precision} {name}: {a['seconds'] * 1e3:.1f} ms, {a['tflops']:.3f} TFLOP/s, "
                       f"{a['speedup_vs_sdpa']:.2f}x, max |diff| {a['max_abs_diff']:.1e}")

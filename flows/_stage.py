@@ -143,9 +143,10 @@ def publish_eval_artifacts(report: str, rows: list[dict], run_url: str, link_tex
     from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
     create_markdown_artifact(report, key="eval-table", description="retro-realm evaluation: every system, paired comparisons")
-    cols = sorted({k for r in rows for k in r} - {"dataset", "system"})
-    create_table_artifact([{"dataset": r["dataset"], "system": r["system"], **{k: r.get(k) for k in cols}} for r in rows],
-                          key="eval-rows", description="metrics/eval.json as rows")
+    if rows:  # none when no set had a question: the Markdown says so
+        cols = sorted({k for r in rows for k in r} - {"dataset", "system"})
+        create_table_artifact([{"dataset": r["dataset"], "system": r["system"], **{k: r.get(k) for k in cols}} for r in rows],
+                              key="eval-rows", description="metrics/eval.json as rows")
     create_link_artifact(run_url, link_text=link_text, key="mlflow-pipeline-run", description=description)
 
 

@@ -540,6 +540,34 @@ def test_split_dev_reads_the_dev_questions(world, monkeypatch):
     assert "evaluate.split: dev" in first and out["report"].splitlines()[0] == first
 
 
+def test_a_corpus_without_questions_gets_every_output_and_a_report_that_says_so(world, tmp_path, monkeypatch):
+    """Prose (data.source txt / jsonl) has no question to score: evaluate still writes each of its dvc.yaml
+    outs, and the report names why it has no table and how to score the models; never a failed stage."""
+    import html
+    import shutil
+
+    from components.stages.evaluate import evaluate, title_line
+
+    shutil.copytree(world["root"] / paths.CORPUS, tmp_path / paths.CORPUS)
+    (tmp_path / paths.TOKENS).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / paths.TOKENS).symlink_to(world["root"] / paths.TOKENS)
+    for split in ("train", "dev", "test"):  # what prepare_corpus writes for a corpus of passages only
+        (tmp_path / paths.CORPUS / f"beir/qrels/{split}.tsv").write_text("query-id\tcorpus-id\tscore\n")
+        (tmp_path / paths.CORPUS / f"qa/{split}.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    out = evaluate(tiny_params())
+    assert out["rows"] == [] and out["comparisons"] == []
+    table = json.loads((tmp_path / paths.METRICS / "eval.json").read_text())
+    assert table["note"].startswith("nothing to score: the test split has no questions")
+    assert "evaluate.extra_sets" in table["note"] and not any(isinstance(v, dict) for v in table.values())
+    report = (tmp_path / paths.METRICS / "eval/results.md").read_text()
+    assert report.splitlines()[0] == title_line(tiny_params())
+    assert table["note"] in report and html.escape(table["note"]) in (tmp_path / paths.METRICS / "eval/results.html").read_text()
+    assert (tmp_path / "plots/recall_at_k.csv").read_text() == "system,k,recall\n"
+    assert (tmp_path / "plots/label_efficiency.csv").read_text().count("\n") == 1  # the header alone
+    assert (tmp_path / paths.METRICS / "headline").is_dir()
+
+
 def test_first_line_says_smoke_test_only_without_a_warm_start(tmp_path):
     from components.stages.evaluate import title_line
 

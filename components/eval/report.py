@@ -136,11 +136,15 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]], fmt: str, right
 
 
 def report_markdown(rows: Sequence[Mapping], title: str | None = None, comparisons: Sequence[Mapping] = (),
-                    digits: int = 3, size_tests: Sequence[Mapping] = ()) -> str:
+                    digits: int = 3, size_tests: Sequence[Mapping] = (), note: str | None = None) -> str:
     """The whole Markdown report: `title` as its first line (what was evaluated: split, preset),
-    the results table, the paired comparisons, and the per-size tests of the label-efficiency curve."""
+    the results table, the paired comparisons, and the per-size tests of the label-efficiency curve.
+    `note`: a paragraph after the title (with no rows, what the report says instead of a table)."""
     parts = [f"{title}\n"] if title else []
-    parts.append(results_table(rows, "markdown", digits))
+    if note:
+        parts.append(f"{note}\n")
+    if rows:
+        parts.append(results_table(rows, "markdown", digits))
     if comparisons:
         parts.append("Paired comparisons (randomisation test over queries; delta = mean(A - B), two-sided p):\n")
         parts.append(comparisons_table(comparisons, "markdown", digits))
@@ -302,17 +306,21 @@ def write_report(
     comparisons: Sequence[Mapping] = (),
     label_efficiency: Sequence[Mapping] = (),
     size_tests: Sequence[Mapping] = (),
+    note: str | None = None,
 ) -> dict[str, Path]:
     """results.md (`report_markdown`), results.html, comparisons.csv (when there are comparisons),
-    and the plots/CSVs of `write_plots` (recall taken from `rows`; the label-efficiency curve's points)."""
+    and the plots/CSVs of `write_plots` (recall taken from `rows`; the label-efficiency curve's points).
+    `note`: a paragraph before the table (the whole report when there are no rows)."""
     out_dir = Path(out_dir)
-    body = results_table(rows, "html", digits)
+    body = f"<p>{html.escape(note)}</p>\n" if note else ""
+    if rows:
+        body += results_table(rows, "html", digits)
     if comparisons:
         body += "<p>Paired comparisons (randomisation test over queries):</p>\n" + comparisons_table(comparisons, "html", digits)
     if size_tests:
         body += f"<p>{html.escape(SIZE_TESTS_INTRO)}:</p>\n" + size_tests_table(size_tests, "html", digits)
     written = {
-        "markdown": write_text_atomic(out_dir / "results.md", report_markdown(rows, title, comparisons, digits, size_tests)),
+        "markdown": write_text_atomic(out_dir / "results.md", report_markdown(rows, title, comparisons, digits, size_tests, note)),
         "html": write_text_atomic(out_dir / "results.html", _html_page(body, title)),
     }
     if comparisons:

@@ -22,7 +22,8 @@ Outputs: metrics/eval.json (dvc metrics: {set: {system: metrics}}, `split`, `com
 `label_efficiency` and `label_efficiency_tests`: the curve's points and its per-size paired tests,
 components/eval/curve.py), metrics/eval/<set>/<system>.jsonl (per query; `:` -> `_` in file names),
 metrics/eval/results.{md,html}, comparisons.csv + PNGs (label_efficiency.png: the curve),
-plots/recall_at_k.csv and plots/label_efficiency.csv (dvc plots).
+plots/recall_at_k.csv and plots/label_efficiency.csv (dvc plots). With no question in any set (a corpus of
+prose), every output is still written: no rows, and a report that says so (`nothing_to_score`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def title_line(params: Params) -> str:
     return f"{banner} | evaluate.split: {ev.split}" if banner else f"evaluate.split: {ev.split}"
 
 
+def nothing_to_score(params: Params) -> str:
+    """What the report says when no set has a question (a corpus of prose: `data.source` txt / jsonl /
+    an HF text dataset): the run is pre-training only, and how to score its models."""
+    split = params.evaluate.split
+    return (f"nothing to score: the {split} split has no questions (data/corpus/beir/qrels/{split}.tsv is empty) and "
+            "evaluate.extra_sets is empty. The pre-trained models are in models/ and logged to MLflow; to score them, "
+            "add a BEIR folder with queries and qrels to evaluate.extra_sets (docs/usage.md), or train on a source "
+            "with questions (a BEIR folder, or an HF dataset in SQuAD's schema)")
+
+
 def training_curves() -> dict[str, list[tuple[float, float]]]:
     """The pre-training stages' loss curves, from their DVC outs (`paths.loss_curve`): the figure
     follows the models this evaluate reads, never whatever ran last in the MLflow store."""
@@ -92,27 +103,26 @@ def evaluate(params: Params, run=None) -> dict:
                 rows += retrieval_rows(params, es, tokenizer, out_dir)
             rows += qa_rows(params, es, tokenizer, out_dir)
             comparisons += run_comparisons(out_dir, es.name, paper)
-    if not rows:
-        split = params.evaluate.split
-        raise RuntimeError(f"nothing to evaluate: the {split} split has no questions (data/corpus/beir/qrels/{split}.tsv is "
-                           "empty) and evaluate.extra_sets is empty; use a source with questions or add an extra set")
     title = title_line(params)
+    note = None if rows else nothing_to_score(params)
+    if note:
+        log.warning("%s", note)
     train = CORPUS / "beir/qrels/train.tsv"
     n_train = len(load_pairs(CORPUS, "train", with_answers=False)) if train.exists() else 0  # what `all` trains on
     points, tests = curve_points(rows, ft, n_train), size_tests(comparisons, ft, n_train)
     write_report(out_dir, rows, training_curves(), title=title, comparisons=comparisons, label_efficiency=points,
-                 size_tests=tests)
-    recall_csv = out_dir / "recall_at_k.csv"
-    if recall_csv.exists():
-        write_text_atomic(PLOTS / "recall_at_k.csv", recall_csv.read_text())
+                 size_tests=tests, note=note)
+    recall_csv = out_dir / "recall_at_k.csv"  # written when a retrieval row exists; a dvc.yaml out either way
+    write_text_atomic(PLOTS / "recall_at_k.csv", recall_csv.read_text() if recall_csv.exists() else "system,k,recall\n")
     write_text_atomic(PLOTS / "label_efficiency.csv", curve_csv(points))  # a dvc.yaml out: written with no fine-tune too
     table: dict = {}
     for r in rows:
         table.setdefault(r["dataset"], {})[r["system"]] = {k: v for k, v in r.items() if k not in ("dataset", "system")}
     write_json_atomic(METRICS / "eval.json", {**table, "split": params.evaluate.split, "comparisons": comparisons,
-                                              "label_efficiency": points, "label_efficiency_tests": tests})
+                                              "label_efficiency": points, "label_efficiency_tests": tests,
+                                              **({"note": note} if note else {})})
     write_headline(METRICS / "headline", table, params.evaluate.recall_at, METRICS)  # what `dvc metrics show` prints
-    report = report_markdown(rows, title, comparisons, size_tests=tests)
+    report = report_markdown(rows, title, comparisons, size_tests=tests, note=note)
     print(report)
     return {"rows": rows, "table": table, "comparisons": comparisons, "label_efficiency": points,
             "label_efficiency_tests": tests, "report": report}
