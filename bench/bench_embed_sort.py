@@ -58,13 +58,14 @@ def prepare_and_tokenize(tmp: Path, presets: list[Path]):
     return p, warm
 
 
-def shipped_blocks(tmp: Path):
-    """The small preset's retrieval blocks and tokenizer."""
+def shipped_blocks(tmp: Path, presets: list[Path] | None = None):
+    """(params, warm-start folder, block token rows, tokenizer) of params.yaml + `presets` (default:
+    the small preset's)."""
     import datasets
 
     from components.data.tokenize import load_tokenizer
 
-    p, warm = prepare_and_tokenize(tmp, [ROOT / "params/small.yaml"])
+    p, warm = prepare_and_tokenize(tmp, [ROOT / "params/small.yaml"] if presets is None else presets)
     blocks = datasets.load_from_disk(str(tmp / "tokens" / "blocks"))
     return p, warm, [list(r) for r in blocks["input_ids"]], load_tokenizer(tmp / "tokens" / "tokenizer")
 

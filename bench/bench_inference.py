@@ -44,23 +44,12 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_embed_sort import prepare_and_tokenize  # noqa: E402
+from bench.bench_embed_sort import shipped_blocks  # noqa: E402
 from bench.bench_mfu import COUNTED_ELSEWHERE, Peak, cpu_model, git_commit, peak_shapes  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 from components.training.precision import autocast_for, cpu_has_native_bf16  # noqa: E402
 
 LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear", "aten::bmm", "aten::matmul")
-
-
-def shipped_blocks(tmp: Path):
-    """(params, warm-start folder, the default's block token rows, its tokenizer)."""
-    import datasets
-
-    from components.data.tokenize import load_tokenizer
-
-    p, warm = prepare_and_tokenize(tmp, [])
-    blocks = datasets.load_from_disk(str(tmp / "tokens" / "blocks"))
-    return p, warm, [list(r) for r in blocks["input_ids"]], load_tokenizer(tmp / "tokens" / "tokenizer")
 
 
 def embed_pass(encoder, rows: list[list[int]], tokenizer, ev, precision: str) -> Callable[[], Any]:
@@ -163,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     from components.eval.dense import HFEncoder
 
     with tempfile.TemporaryDirectory() as tmp:
-        p, warm, rows, tokenizer = shipped_blocks(Path(tmp))
+        p, warm, rows, tokenizer = shipped_blocks(Path(tmp), presets=[])  # the default's blocks
     ev = p.evaluate
     encoder = HFEncoder.load(warm)
     cfg = encoder.model.config
