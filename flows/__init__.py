@@ -1,6 +1,7 @@
 """Thin Prefect flows, one per pipeline stage, plus the pipeline flow. Business logic lives in components/."""
 
 import atexit
+import contextlib
 import os
 import sys
 import tomllib
@@ -87,12 +88,30 @@ sys.excepthook = _excepthook
 # last), so Prefect's and MLflow's own exit hooks (log and event flushes) have run by then.
 _completed = False
 
+# Prefect's flow-run heartbeat (every 180 s by default) lets a server mark a run crashed once its
+# process is gone. A stage flow is a child process of `dvc repro`, whose exit status already reports
+# a crash to DVC and to the pipeline flow, and the pipeline flow (what a deployment's worker runs)
+# keeps its heartbeat. In a stage the heartbeat thread only adds its join to the end of every flow
+# run (it sleeps in 1 s steps): ~0.8 s a stage and a REALM refresh subflow (bench/README.md,
+# "Stage start-up"). A value the user sets, in the environment or the active profile, is kept.
+HEARTBEAT_SETTINGS = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")  # Prefect's name, its legacy alias
 
-def run_main(flow_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """A stage flow module's `__main__`: run the flow; if it returns, the process exits with 0
-    without the interpreter's teardown. An exception exits as usual (traceback, status 1)."""
+
+def _heartbeat_set_by_user() -> bool:
+    return any(name in os.environ or _prefect_profile_sets(name) for name in HEARTBEAT_SETTINGS)
+
+
+def run_main(flow_fn: Callable[..., Any], *args: Any, heartbeat: bool = True, **kwargs: Any) -> Any:
+    """A flow module's `__main__`: run the flow; if it returns, the process exits with 0 without the
+    interpreter's teardown. An exception exits as usual (traceback, status 1). `heartbeat=False`
+    (the stage flows): its flow runs send no Prefect heartbeat, unless the user set its frequency."""
     global _completed
-    result = flow_fn(*args, **kwargs)
+    with contextlib.ExitStack() as stack:
+        if not heartbeat and not _heartbeat_set_by_user():
+            from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+            stack.enter_context(temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
+        result = flow_fn(*args, **kwargs)
     _completed = True
     return result
 

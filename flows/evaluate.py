@@ -85,4 +85,4 @@ def evaluate_flow() -> dict:
 
 
 if __name__ == "__main__":
-    run_main(evaluate_flow)
+    run_main(evaluate_flow, heartbeat=False)

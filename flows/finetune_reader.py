@@ -44,4 +44,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, heartbeat=False)

@@ -50,4 +50,4 @@ def prepare_corpus_flow() -> dict:
 
 
 if __name__ == "__main__":
-    run_main(prepare_corpus_flow)
+    run_main(prepare_corpus_flow, heartbeat=False)

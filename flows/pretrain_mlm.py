@@ -41,4 +41,4 @@ def pretrain_mlm_flow() -> dict:
 
 
 if __name__ == "__main__":
-    run_main(pretrain_mlm_flow)
+    run_main(pretrain_mlm_flow, heartbeat=False)

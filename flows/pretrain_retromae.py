@@ -33,4 +33,4 @@ def pretrain_retromae_flow() -> dict:
 
 
 if __name__ == "__main__":
-    run_main(pretrain_retromae_flow)
+    run_main(pretrain_retromae_flow, heartbeat=False)

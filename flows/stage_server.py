@@ -57,6 +57,9 @@ PRELOAD = ("numpy", "torch", "transformers", "transformers.models.bert.modeling_
            # logging a stage's models (flows/_stage.log_model): ~5 s of imports in every training stage
            "pandas", "sentence_transformers", "mlflow.models", "mlflow.pyfunc", "mlflow.sentence_transformers",
            "mlflow.transformers",
+           # the embedded default's sqlite store (SQLAlchemy + alembic: ~0.9 s of every stage's run start)
+           # and what Prefect's flow engine imports at each flow call (~0.15 s)
+           "mlflow.store.tracking.sqlalchemy_store", "prefect.utilities.visualization",
            "flows.prepare_corpus", "flows.tokenize", "flows.pretrain_retromae", "flows.pretrain_mlm",
            "flows.pretrain_realm", "flows.finetune_retriever", "flows.finetune_reader", "flows.evaluate",
            "components.data.source_digest")

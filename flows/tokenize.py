@@ -51,4 +51,4 @@ def tokenize_flow() -> dict:
 
 
 if __name__ == "__main__":
-    run_main(tokenize_flow)
+    run_main(tokenize_flow, heartbeat=False)

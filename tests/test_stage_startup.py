@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "mlflow", "transformers", "datasets")
 
 
-def _python(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def _python(code: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})})
 
 
 @pytest.mark.parametrize("module", ["flows.prepare_corpus", "flows.tokenize", "flows._stage", "components.tracking"])
@@ -115,8 +115,9 @@ def test_run_main_failing_flow_exits_as_usual(tmp_path):
 
 
 def test_every_stage_flow_module_ends_with_run_main():
-    """A stage flow module's `__main__` goes through run_main (else it pays the teardown)."""
-    missing = []
+    """A stage flow module's `__main__` goes through run_main (else it pays the teardown), without
+    the heartbeat; the pipeline flow, which a deployment's worker runs, keeps it."""
+    missing, beating = [], []
     for path in sorted((ROOT / "flows").glob("*.py")):
         src = path.read_text(encoding="utf-8")
         if path.name.startswith("_") or path.stem == "pipeline" or "@flow(" not in src:
@@ -124,4 +125,39 @@ def test_every_stage_flow_module_ends_with_run_main():
         main = src.split('if __name__ == "__main__":', 1)[-1]
         if "run_main(" not in main:
             missing.append(path.name)
+        elif "heartbeat=False" not in main:
+            beating.append(path.name)
     assert not missing, f"flows whose __main__ does not call flows.run_main: {missing}"
+    assert not beating, f"stage flows that keep Prefect's heartbeat: {beating}"
+    assert "heartbeat=False" not in (ROOT / "flows" / "pipeline.py").read_text(encoding="utf-8")
+
+
+HEARTBEAT = """
+    import flows
+    from prefect import flow
+    from prefect.flow_engine import FlowRunEngine
+
+    @flow
+    def probe():
+        pass
+
+    def main():  # what the flow engine will read when the flow runs (no API needed to ask)
+        print(FlowRunEngine(flow=probe).heartbeat_seconds)
+
+    flows.run_main(main{kw})
+"""
+
+
+@pytest.mark.parametrize("kw, env, expected", [
+    (", heartbeat=False", {}, "None"),  # a stage flow: none
+    ("", {}, "180"),  # the pipeline flow: Prefect's default
+    (", heartbeat=False", {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "60"}, "60"),  # the user's value is kept
+    (", heartbeat=False", {"PREFECT_RUNNER_HEARTBEAT_FREQUENCY": "45"}, "45"),  # and its legacy name
+    (", heartbeat=False", {"profile": "PREFECT_FLOWS_HEARTBEAT_FREQUENCY = 90"}, "90"),  # or the active profile's
+])
+def test_stage_flows_run_without_prefects_heartbeat_unless_the_user_sets_one(tmp_path, kw, env, expected):
+    if "profile" in env:
+        (tmp_path / "profiles.toml").write_text(f'active = "rr"\n[profiles.rr]\n{env.pop("profile")}\n')
+    out = _python(HEARTBEAT.format(kw=kw), env={"PREFECT_HOME": str(tmp_path), **env})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected
