@@ -4,6 +4,8 @@
   stage's MLflow run opens, torch only by a body that needs it.
 - `flows.run_main` ends a stage process without the interpreter's teardown once its flow returned,
   after every atexit hook (Prefect's and MLflow's flushes) ran; a failing flow exits as usual.
+- A stage flow runs without Prefect's flow-run heartbeat (whose thread's join ends every flow run),
+  unless the user set its frequency; the pipeline flow keeps it.
 
 Each check runs in a fresh interpreter: what a module imports is only visible there, and a fast exit
 would end the test process itself.
@@ -156,6 +158,7 @@ HEARTBEAT = """
     (", heartbeat=False", {"profile": "PREFECT_FLOWS_HEARTBEAT_FREQUENCY = 90"}, "90"),  # or the active profile's
 ])
 def test_stage_flows_run_without_prefects_heartbeat_unless_the_user_sets_one(tmp_path, kw, env, expected):
+    env = dict(env)
     if "profile" in env:
         (tmp_path / "profiles.toml").write_text(f'active = "rr"\n[profiles.rr]\n{env.pop("profile")}\n')
     out = _python(HEARTBEAT.format(kw=kw), env={"PREFECT_HOME": str(tmp_path), **env})
