@@ -234,6 +234,11 @@ def curve_csv(points: Sequence[Mapping]) -> str:
     return _csv(CURVE_COLUMNS, [[p.get(c) for c in CURVE_COLUMNS] for p in points])
 
 
+def recall_csv(recall: Mapping[str, Mapping[int, float]]) -> str:
+    """recall@k per system as long-format CSV (system,k,recall; the header alone when there is none)."""
+    return _csv(("system", "k", "recall"), [(label, k, v) for label, by_k in recall.items() for k, v in sorted(by_k.items())])
+
+
 def _label_efficiency_figure(points: Sequence[Mapping]):
     """nDCG@10 and R@20 against training questions (log x), one line per start; the reference dashed."""
     from matplotlib.figure import Figure
@@ -287,8 +292,7 @@ def write_plots(
         written["curve_csv"] = write_text_atomic(out_dir / "label_efficiency.csv", curve_csv(label_efficiency))
         written["curve_png"] = write_bytes_atomic(out_dir / "label_efficiency.png", _png(_label_efficiency_figure(label_efficiency)))
     if recall:
-        rows = [(label, k, v) for label, by_k in recall.items() for k, v in sorted(by_k.items())]
-        written["recall_csv"] = write_text_atomic(out_dir / "recall_at_k.csv", _csv(("system", "k", "recall"), rows))
+        written["recall_csv"] = write_text_atomic(out_dir / "recall_at_k.csv", recall_csv(recall))
         written["recall_png"] = write_bytes_atomic(out_dir / "recall_at_k.png", _png(_recall_figure(recall)))
     if curves:
         rows = [(name, step, value) for name, points in curves.items() for step, value in points]

@@ -40,7 +40,7 @@ from components.data.tokenize import load_tokenizer
 from components.eval.comparisons import paper_comparisons, run_comparisons
 from components.eval.curve import curve_points, size_tests
 from components.eval.headline import write_headline
-from components.eval.report import curve_csv, report_markdown, write_report
+from components.eval.report import curve_csv, recall_by_system, recall_csv, report_markdown, write_report
 from components.eval.rows import eval_sets, qa_rows, retrieval_rows
 from components.io import write_json_atomic, write_text_atomic
 from components.paths import CORPUS, METRICS, PLOTS, TOKENS, loss_curve
@@ -112,8 +112,7 @@ def evaluate(params: Params, run=None) -> dict:
     points, tests = curve_points(rows, ft, n_train), size_tests(comparisons, ft, n_train)
     write_report(out_dir, rows, training_curves(), title=title, comparisons=comparisons, label_efficiency=points,
                  size_tests=tests, note=note)
-    recall_csv = out_dir / "recall_at_k.csv"  # written when a retrieval row exists; a dvc.yaml out either way
-    write_text_atomic(PLOTS / "recall_at_k.csv", recall_csv.read_text() if recall_csv.exists() else "system,k,recall\n")
+    write_text_atomic(PLOTS / "recall_at_k.csv", recall_csv(recall_by_system(rows)))  # a dvc.yaml out: the header alone with no retrieval row
     write_text_atomic(PLOTS / "label_efficiency.csv", curve_csv(points))  # a dvc.yaml out: written with no fine-tune too
     table: dict = {}
     for r in rows:
