@@ -322,6 +322,7 @@ class EvaluateParams(Section):
     defaults_from: ClassVar[str | None] = "evaluate"
     recall_at: list[int]
     batch_size: int = Field(ge=1)
+    qa_batch_size: int = Field(ge=1, description="questions the open-QA readers read per batch")
     query_len: int = Field(ge=8)
     passage_len: int = Field(ge=8)
     extra_sets: list[EvalSet]

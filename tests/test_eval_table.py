@@ -603,3 +603,38 @@ def test_warm_start_row_pools_in_its_own_mode(world, tmp_path):
     expect = torch.nn.functional.normalize(hidden.mean(0), dim=0)
     assert torch.allclose(enc(ids, mask)[0], expect, atol=1e-5)
     assert warm_start_system(tiny_params(), blocks) is None  # no warm start, no row
+
+
+def test_the_warm_start_and_its_copy_are_scored_from_one_pass(world, tmp_path):
+    """`init` is the warm start copied (the real-text default): one forward over the blocks and the
+    queries gives both rows, each exactly the run of its own pass; a weight that differs, or a block
+    tokenised otherwise, scores them apart."""
+    import datasets
+
+    from components.data.beir import load_beir
+    from components.data.tokenize import load_tokenizer
+    from components.eval.dense import HFEncoder, PoolingViews, dense_run, same_function, shared_dense_runs
+    from components.eval.rows import _one_pass, warm_start_system
+
+    root = world["root"]
+    tok = load_tokenizer(root / paths.TOKENS / "tokenizer")
+    blocks = datasets.load_from_disk(str(root / paths.TOKENS / "blocks"))
+    queries = load_beir(root / paths.CORPUS / "beir", "test").queries
+    p = tiny_params(**{"warm_start.path": str(root / "warm")})
+    warm = warm_start_system(p, blocks)
+    warm[1].model.save_pretrained(tmp_path / "init")  # the warm start's weights, in a plain HF folder
+    init = HFEncoder.load(tmp_path / "init")
+    assert (warm[1].pooling, init.pooling) == ("mean", "cls")
+    assert same_function(warm[1], init) and _one_pass(warm, init, blocks, queries, tok, p.evaluate)
+
+    kw = dict(k=10, query_len=p.evaluate.query_len, passage_len=p.evaluate.passage_len, batch_size=4)
+    shared = shared_dense_runs(PoolingViews([warm[1], init]), blocks, queries, tok, **kw)
+    alone = [dense_run(e, e, blocks, queries, tok, **kw)[0] for e in (warm[1], init)]
+    assert shared == alone  # scores and order, exactly
+    assert shared[0] != shared[1]  # two poolings, two runs
+
+    other = {**warm[3], "input_ids": [list(r)[::-1] for r in warm[3]["input_ids"]]}
+    assert not _one_pass((*warm[:3], other), init, blocks, queries, tok, p.evaluate)
+    with torch.no_grad():
+        next(init.model.parameters()).view(-1)[0] += 1e-3
+    assert not same_function(warm[1], init)

@@ -80,11 +80,61 @@ class HFEncoder:
         if self.pooling == "cls":
             out = cls_pool(self.model, ids, mask)  # (B, H)
         else:
-            body = getattr(self.model, "base_model", self.model)
-            hidden = body(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids)).last_hidden_state  # (B, L, H)
-            m = mask[:, :, None].to(hidden.dtype)  # (B, L, 1)
-            out = (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)  # (B, H)
+            out = mean_pool(last_hidden(self.model, ids, mask), mask)  # (B, H)
         return torch.nn.functional.normalize(out.float(), dim=-1) if self.normalize else out
+
+
+def last_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The last layer (B, L, H) of a bare encoder or a *ForMaskedLM's body; one segment (types 0)."""
+    body = getattr(model, "base_model", model)
+    return body(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids)).last_hidden_state
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of `hidden` (B, L, H) over the real tokens of `mask` (B, L) -> (B, H)."""
+    m = mask[:, :, None].to(hidden.dtype)  # (B, L, 1)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+# Config fields that change what a BERT-like encoder computes, beside its weights and class.
+_FORWARD_CONFIG = ("hidden_act", "layer_norm_eps", "position_embedding_type", "num_attention_heads", "hidden_size",
+                   "num_hidden_layers", "_attn_implementation")
+
+
+def same_function(a: HFEncoder, b: HFEncoder) -> bool:
+    """Whether two loaded towers compute the same last layer: one class, the fields of `_FORWARD_CONFIG`,
+    and bit-equal weights (the `init` row and the warm start it copies, read from two folders)."""
+    ma, mb = (getattr(e.model, "base_model", e.model) for e in (a, b))
+    if type(ma) is not type(mb) or a.device != b.device:
+        return False
+    if any(getattr(ma.config, f, None) != getattr(mb.config, f, None) for f in _FORWARD_CONFIG):
+        return False
+    sa, sb = ma.state_dict(), mb.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+class PoolingViews:
+    """Several towers that compute the same last layer (`same_function`) and differ only in pooling,
+    read in one forward: each batch returns every tower's vectors side by side, (B, V * H) in
+    `towers` order, and `split` takes an (N, V * H) stack apart. Each view is the exact vector its
+    own tower gives (the same forward, then its own pooling and normalisation)."""
+
+    def __init__(self, towers: list[HFEncoder]):
+        self.towers = towers
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        first = self.towers[0]
+        ids, mask = ids.to(first.device), mask.to(first.device)
+        hidden = last_hidden(first.model, ids, mask)  # (B, L, H)
+        views = []
+        for t in self.towers:
+            out = hidden[:, 0] if t.pooling == "cls" else mean_pool(hidden, mask)  # (B, H)
+            views.append(torch.nn.functional.normalize(out.float(), dim=-1) if t.normalize else out.float())
+        return torch.cat(views, dim=-1)  # (B, V * H)
+
+    def split(self, emb: np.ndarray) -> list[np.ndarray]:
+        return [np.ascontiguousarray(v) for v in np.split(emb, len(self.towers), axis=1)]
 
 
 def sentence_transformers_mode(folder: str | Path) -> tuple[str, bool]:
@@ -157,6 +207,23 @@ def dense_run(encode_query: EncodeFn, encode_passage: EncodeFn, blocks, queries:
     if index is None:
         index, stats = block_index(encode_passage, blocks, tokenizer, passage_len, batch_size, passage_titles)
     qids = list(queries)
-    q_vecs, _ = encode_token_rows(encode_query, tokenize_texts(tokenizer, [queries[q] for q in qids]), tokenizer, query_len, batch_size, "embed queries")
+    q_vecs = embed_queries(encode_query, queries, qids, tokenizer, query_len, batch_size)
+    return search_docs(index, q_vecs, qids, dict(zip(blocks["block_id"], blocks["doc_id"])), k), stats
+
+
+def embed_queries(encode: EncodeFn, queries: dict[str, str], qids: list[str], tokenizer, query_len: int,
+                  batch_size: int) -> np.ndarray:
+    return encode_token_rows(encode, tokenize_texts(tokenizer, [queries[q] for q in qids]), tokenizer, query_len, batch_size,
+                             "embed queries")[0]
+
+
+def shared_dense_runs(views: PoolingViews, blocks, queries: dict[str, str], tokenizer, *, k: int, query_len: int,
+                      passage_len: int, batch_size: int) -> list[dict]:
+    """`dense_run` for every tower of `views` from one pass over the blocks and one over the queries:
+    one run per tower, in `views.towers` order, each the run its tower alone retrieves."""
+    qids = list(queries)
+    block_vecs, _ = encode_token_rows(views, list(blocks["input_ids"]), tokenizer, passage_len, batch_size, "embed blocks")
+    q_vecs = embed_queries(views, queries, qids, tokenizer, query_len, batch_size)
     block_doc = dict(zip(blocks["block_id"], blocks["doc_id"]))
-    return search_docs(index, q_vecs, qids, block_doc, k), stats
+    return [search_docs(BlockIndex.build(b, list(blocks["block_id"]), "flat", use_gpu="auto"), q, qids, block_doc, k)
+            for b, q in zip(views.split(block_vecs), views.split(q_vecs))]
