@@ -22,9 +22,10 @@ run: setup  ## the main job: the whole pipeline (dvc repro) on the default (real
 
 # The suite runs its modules on TEST_WORKERS pytest-xdist workers (a module's tests on one worker, so its
 # fixtures are built once; each worker starts its own servers), one OpenMP thread each: two on 2 cores.
-# TEST_WORKERS=0: one process, the modules in order.
+# TEST_WORKERS=0 (or empty): one process, the modules in order, at OMP_NUM_THREADS as above.
 TEST_WORKERS ?= 2
-PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST = $(if $(filter 0,$(or $(TEST_WORKERS),0)),,OMP_NUM_THREADS=1) $(PY) -m pytest -q \
+	$(if $(filter 0,$(or $(TEST_WORKERS),0)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: setup  ## the full test suite (slow tests included; ~9 min on 2 cores)
 	$(PYTEST) --durations=15

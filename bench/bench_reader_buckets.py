@@ -10,7 +10,8 @@ length-sorted chunks of a few rows, each at its own width. Interleaved rounds, m
 The corpus is the shipped one the default reads (params.yaml `data.path`), prepared and tokenized by the
 real stage bodies into a temporary folder; the questions are the first `--questions` of the evaluated split
 (`evaluate.split`) with their BM25 top `finetune.qa_top_k` blocks (the bm25 system of open QA), read as
-`OpenQAPredictor.predict_all` does (batches of `evaluate.qa_batch_size` questions, `predict_batch`). The reader is the MiniLM warm
+`OpenQAPredictor.predict_all` does (`predict_batch` over batches of `--eval-batch` questions; evaluate reads
+`evaluate.qa_batch_size`, which `--eval-batches` compares). The reader is the MiniLM warm
 start with a fresh span head (speed does not depend on trained weights). bf16 (autocast) runs only where
 the CPU has native bf16, unless named in `--precisions`. Besides seconds: the tokens each setting feeds the
 BERT (load-independent), and how far the chunked answers are from the reference's (same answer, max |diff|
@@ -83,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunks", type=int, nargs="*", default=[0, 4, 8, 16, 40], help="reader_chunk_rows; 0 (the reference) "
                     "first; none: no chunk arms (with --eval-batches)")
-    ap.add_argument("--eval-batch", type=int, default=None, help="questions per batch of the --chunks arms "
-                    "(default: params.yaml's evaluate.qa_batch_size, what OpenQAPredictor reads)")
+    ap.add_argument("--eval-batch", type=int, default=8, help="questions per batch of the --chunks arms (8: the "
+                    "batches results/reader_buckets.json was measured with; evaluate reads evaluate.qa_batch_size)")
     ap.add_argument("--eval-batches", type=int, nargs="*", default=[], help="also time these questions per batch "
                     "against each other, all at finetune.reader_chunk_rows (the first is the reference)")
     ap.add_argument("--precisions", nargs="+", default=None, help="fp32 / bf16 (default: bf16 where native, + fp32)")
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     reader = SpanReader.from_pretrained(warm, span_scorer=ft.span_scorer, span_hidden=ft.span_hidden)
     model = OpenQA(None, reader, ft.max_answer_tokens, ft.span_softmax).eval()
     collate = QACollator.from_params(tok, blocks, None, ft)
-    eval_batch = args.eval_batch or p.evaluate.qa_batch_size
+    eval_batch = args.eval_batch
 
     def batched(qs: int) -> tuple[list[dict], list]:
         bs = [collate(rows[i : i + qs]) for i in range(0, len(rows), qs)]

@@ -605,10 +605,15 @@ def test_warm_start_row_pools_in_its_own_mode(world, tmp_path):
     assert warm_start_system(tiny_params(), blocks) is None  # no warm start, no row
 
 
+def _ordered(run: dict) -> list:
+    """A run with its order: (qid, [(doc, score), ...]) in ranking order."""
+    return [(q, list(docs.items())) for q, docs in run.items()]
+
+
 def test_the_warm_start_and_its_copy_are_scored_from_one_pass(world, tmp_path):
     """`init` is the warm start copied (the real-text default): one forward over the blocks and the
-    queries gives both rows, each exactly the run of its own pass; a weight that differs, or a block
-    tokenised otherwise, scores them apart."""
+    queries gives both rows, each exactly the run of its own pass (the warm start's with its own
+    tokenizer and blocks); a weight that differs, or a block tokenised otherwise, scores them apart."""
     import datasets
 
     from components.data.beir import load_beir
@@ -622,19 +627,59 @@ def test_the_warm_start_and_its_copy_are_scored_from_one_pass(world, tmp_path):
     queries = load_beir(root / paths.CORPUS / "beir", "test").queries
     p = tiny_params(**{"warm_start.path": str(root / "warm")})
     warm = warm_start_system(p, blocks)
-    warm[1].model.save_pretrained(tmp_path / "init")  # the warm start's weights, in a plain HF folder
+    name, enc, own_tok, own_blocks = warm
+    enc.model.save_pretrained(tmp_path / "init")  # the warm start's weights, in a plain HF folder
     init = HFEncoder.load(tmp_path / "init")
-    assert (warm[1].pooling, init.pooling) == ("mean", "cls")
-    assert same_function(warm[1], init) and _one_pass(warm, init, blocks, queries, tok, p.evaluate)
+    assert (enc.pooling, init.pooling) == ("mean", "cls")
+    assert same_function(enc, init) and _one_pass(warm, init, blocks, queries, tok)
 
     kw = dict(k=10, query_len=p.evaluate.query_len, passage_len=p.evaluate.passage_len, batch_size=4)
-    shared = shared_dense_runs(PoolingViews([warm[1], init]), blocks, queries, tok, **kw)
-    alone = [dense_run(e, e, blocks, queries, tok, **kw)[0] for e in (warm[1], init)]
-    assert shared == alone  # scores and order, exactly
+    shared = shared_dense_runs(PoolingViews([enc, init]), blocks, queries, tok, **kw)
+    alone = [dense_run(enc, enc, own_blocks, queries, own_tok, **kw)[0], dense_run(init, init, blocks, queries, tok, **kw)[0]]
+    assert [_ordered(r) for r in shared] == [_ordered(r) for r in alone]  # scores and ranking, exactly
     assert shared[0] != shared[1]  # two poolings, two runs
 
-    other = {**warm[3], "input_ids": [list(r)[::-1] for r in warm[3]["input_ids"]]}
-    assert not _one_pass((*warm[:3], other), init, blocks, queries, tok, p.evaluate)
+    other = {**own_blocks, "input_ids": [list(r)[::-1] for r in own_blocks["input_ids"]]}
+    assert not _one_pass((name, enc, own_tok, other), init, blocks, queries, tok)
+    longer = {**own_blocks, "input_ids": [[*r, 7] for r in own_blocks["input_ids"]]}  # past the cut, still another batch order
+    assert not _one_pass((name, enc, own_tok, longer), init, blocks, queries, tok)
     with torch.no_grad():
         next(init.model.parameters()).view(-1)[0] += 1e-3
-    assert not same_function(warm[1], init)
+    assert not same_function(enc, init)
+
+
+def test_retrieval_rows_score_the_copy_from_one_pass_as_from_two(world, tmp_path, monkeypatch):
+    """The stage's own path: with `models/init/encoder` the warm start copied, `retrieval_rows` takes
+    the one-pass branch and writes the rows and per-query files that two passes write."""
+    import datasets
+
+    from components.data.tokenize import load_tokenizer
+    from components.eval import rows as R
+    from components.models.encoder import load_encoder
+
+    root = world["root"]
+    p = tiny_params(**{"warm_start.path": str(root / "warm")})
+    shared_calls = []
+    real_shared = R.shared_dense_runs
+    monkeypatch.setattr(R, "shared_dense_runs", lambda *a, **kw: shared_calls.append(1) or real_shared(*a, **kw))
+
+    def run(one_pass: bool, ws: Path) -> tuple[list[dict], dict[str, str]]:
+        (ws / "data").mkdir(parents=True)
+        for sub in ("tokens", "corpus"):
+            (ws / "data" / sub).symlink_to(root / "data" / sub)
+        load_encoder(root / "warm").save_pretrained(ws / paths.INIT_ENCODER)  # init: the warm start copied
+        if not one_pass:
+            monkeypatch.setattr(R, "_one_pass", lambda *a: False)
+        with contextlib.chdir(ws):
+            tok = load_tokenizer(paths.TOKENS / "tokenizer")
+            assert len(datasets.load_from_disk(str(paths.TOKENS / "blocks")))
+            rows = R.retrieval_rows(p, R.eval_sets(p, tok)[0], tok, ws / "out")
+        files = {f.name: f.read_text() for f in sorted((ws / "out").rglob("*")) if f.is_file()}
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in rows], files
+
+    one = run(True, tmp_path / "one")
+    assert shared_calls == [1]
+    two = run(False, tmp_path / "two")
+    assert shared_calls == [1]
+    assert [r["system"] for r in one[0]] == ["bm25", "warm-start:mean", "init"]
+    assert one == two

@@ -98,7 +98,7 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # Config fields that change what a BERT-like encoder computes, beside its weights and class.
 _FORWARD_CONFIG = ("hidden_act", "layer_norm_eps", "position_embedding_type", "num_attention_heads", "hidden_size",
-                   "num_hidden_layers", "_attn_implementation")
+                   "num_hidden_layers", "is_decoder", "add_cross_attention", "chunk_size_feed_forward", "_attn_implementation")
 
 
 def same_function(a: HFEncoder, b: HFEncoder) -> bool:

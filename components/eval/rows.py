@@ -128,19 +128,19 @@ def warm_start_system(params: Params, blocks):
     return f"warm-start:{pooling}", HFEncoder.load(spec, pooling=pooling, normalize=normalize), tok, own
 
 
-def _one_pass(warm, init: HFEncoder, blocks, queries: dict[str, str], tokenizer, ev) -> bool:
+def _one_pass(warm, init: HFEncoder, blocks, queries: dict[str, str], tokenizer) -> bool:
     """Whether the warm-start row and `init` read the same token ids with the same weights, so that
     one forward serves both: true when the pipeline's tokenizer is the warm start's and `init` its
-    copy (any difference, even one block cut elsewhere, scores them apart)."""
+    copy. Whole rows are compared, not their truncation: the embedding batches rows by their full
+    length, and a batch of another width rounds otherwise."""
     _, enc, tok, own = warm
     specials = lambda t: (t.cls_token_id, t.sep_token_id, t.pad_token_id)  # noqa: E731
     if specials(tok) != specials(tokenizer) or not same_function(enc, init):
         return False
-    body = ev.passage_len - 2
-    if [list(r)[:body] for r in own["input_ids"]] != [list(r)[:body] for r in blocks["input_ids"]]:
+    if [list(r) for r in own["input_ids"]] != [list(r) for r in blocks["input_ids"]]:
         return False
     texts = list(queries.values())
-    return [r[: ev.query_len - 2] for r in tokenize_texts(tok, texts)] == [r[: ev.query_len - 2] for r in tokenize_texts(tokenizer, texts)]
+    return tokenize_texts(tok, texts) == tokenize_texts(tokenizer, texts)
 
 
 def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> list[dict]:
@@ -170,8 +170,9 @@ def retrieval_rows(params: Params, es: EvalSet, tokenizer, out_dir: Path) -> lis
     warm = warm_start_system(params, es.blocks)
     encoders = _encoder_systems()
     init = HFEncoder.load(encoders.pop("init")) if "init" in encoders else None
-    if warm is not None and init is not None and _one_pass(warm, init, es.blocks, queries, tokenizer, ev):
-        # `init` is the warm start copied: one forward gives both rows (each its own pooling)
+    if warm is not None and init is not None and _one_pass(warm, init, es.blocks, queries, tokenizer):
+        # `init` is the warm start copied: one forward gives both rows (each its own pooling), and
+        # each row's `seconds` is half the shared pass
         t0 = time.perf_counter()
         runs = shared_dense_runs(PoolingViews([warm[1], init]), es.blocks, queries, tokenizer, **dense_kw)
         seconds = (time.perf_counter() - t0) / 2
