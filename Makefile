@@ -27,7 +27,7 @@ TEST_WORKERS ?= 2
 PYTEST = $(if $(filter 0,$(or $(TEST_WORKERS),0)),,OMP_NUM_THREADS=1) $(PY) -m pytest -q \
 	$(if $(filter 0,$(or $(TEST_WORKERS),0)),,-n $(TEST_WORKERS) --dist loadfile)
 
-test: setup  ## the full test suite (slow tests included; ~9 min on 2 cores)
+test: setup  ## the full test suite (slow tests included; 9-12 min on 2 cores)
 	$(PYTEST) --durations=15
 
 test-fast: setup  ## unit + stage tests only
