@@ -4,7 +4,7 @@ length-sorted chunks of a few rows, each at its own width. Interleaved rounds, m
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_reader_buckets.py     # -> bench/results/reader_buckets.json
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_reader_buckets.py --questions 60 --chunks 0 16 --precisions fp32
-    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_reader_buckets.py --questions 694 --chunks 8 --eval-batches 8 128 \
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_reader_buckets.py --questions 694 --chunks --eval-batches 8 128 \
         --train-steps 0 --precisions bf16 --out bench/results/reader_eval_batches.json    # questions per batch
 
 The corpus is the shipped one the default reads (params.yaml `data.path`), prepared and tokenized by the
@@ -46,7 +46,6 @@ from bench.bench_embed_sort import prepare_and_tokenize  # noqa: E402
 from bench.bench_mfu import cpu_model, git_commit  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
 from components.training.precision import cpu_has_native_bf16  # noqa: E402
-
 
 
 def shipped_qa(tmp: Path, n_questions: int):
