@@ -68,9 +68,10 @@ class ReaderModel(mlflow.pyfunc.PythonModel):
         return [{"text": text, "input_ids": ids[s : s + w], "offsets": offs[s : s + w]} for s in starts]
 
     # -- predict -------------------------------------------------------------------------------
-    def predict(self, context, model_input, params=None):
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         """model_input: a DataFrame (question, context | contexts) -> a DataFrame, one row per question.
-        No type hints here: the logged signature (flows/_stage.py) is the schema MLflow enforces."""
+        The logged signature (flows/_stage.py) is the schema MLflow enforces: a DataFrame hint gives MLflow
+        no schema of its own to infer, and without a hint it warns at every load and log of the model."""
         rows = []
         for lo in range(0, len(model_input), BATCH_QUESTIONS):
             chunk = model_input.iloc[lo : lo + BATCH_QUESTIONS]
