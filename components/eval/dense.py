@@ -18,7 +18,7 @@ import torch
 
 from components.index.faiss_index import BlockIndex
 from components.index.embed import embed_blocks
-from components.models.encoder import cls_pool, load_encoder
+from components.models.encoder import load_encoder
 
 EncodeFn = Callable[..., torch.Tensor]  # (ids (B, L), mask (B, L)[, token types (B, L)]) -> (B, d)
 
@@ -77,11 +77,12 @@ class HFEncoder:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         ids, mask = ids.to(self.device), mask.to(self.device)
-        if self.pooling == "cls":
-            out = cls_pool(self.model, ids, mask)  # (B, H)
-        else:
-            out = mean_pool(last_hidden(self.model, ids, mask), mask)  # (B, H)
-        return torch.nn.functional.normalize(out.float(), dim=-1) if self.normalize else out
+        return self.pool(last_hidden(self.model, ids, mask), mask)
+
+    def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """This tower's vectors (B, H), float32, from a last layer `hidden` (B, L, H) and its `mask` (B, L)."""
+        out = (hidden[:, 0] if self.pooling == "cls" else mean_pool(hidden, mask)).float()
+        return torch.nn.functional.normalize(out, dim=-1) if self.normalize else out
 
 
 def last_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -127,11 +128,7 @@ class PoolingViews:
         first = self.towers[0]
         ids, mask = ids.to(first.device), mask.to(first.device)
         hidden = last_hidden(first.model, ids, mask)  # (B, L, H)
-        views = []
-        for t in self.towers:
-            out = hidden[:, 0] if t.pooling == "cls" else mean_pool(hidden, mask)  # (B, H)
-            views.append(torch.nn.functional.normalize(out.float(), dim=-1) if t.normalize else out.float())
-        return torch.cat(views, dim=-1)  # (B, V * H)
+        return torch.cat([t.pool(hidden, mask) for t in self.towers], dim=-1)  # (B, V * H)
 
     def split(self, emb: np.ndarray) -> list[np.ndarray]:
         return [np.ascontiguousarray(v) for v in np.split(emb, len(self.towers), axis=1)]
