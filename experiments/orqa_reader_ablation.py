@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,12 +50,14 @@ from experiments import variants  # noqa: E402
 
 OUT = ROOT / "experiments" / "results" / "orqa_readers.json"
 SPLIT = "dev"  # settings are chosen on dev: this script never reads the test split
+# what a variant may change: the readers' own section, their span head's lr, and the seed of their fresh head and batches
+VARIED = ("finetune.", "warm_start.head_lr", "compute.seed")
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
-    """'name:finetune.key=value,...' -> (name, {key: value}): only the readers are retrained."""
+    """'name:finetune.key=value,...' -> (name, {key: value}): only the readers are retrained (keys: VARIED)."""
     try:
-        return variants.parse_variant(spec, prefix="finetune.")
+        return variants.parse_variant(spec, prefix=VARIED)
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -67,6 +70,7 @@ def run_variant(name: str, overrides: dict, systems: list[str], scratch: Path) -
     from components.paths import FINETUNE_OPEN_QA, TOKENS
     from components.eval.rows import eval_sets, qa_rows
     from components.stages.finetune_reader import finetune_reader
+    from components.training.precision import autocast_for
 
     params = load_params("params.yaml", overrides={**overrides, "finetune.qa_systems": systems, "evaluate.split": SPLIT})
     tokenizer = load_tokenizer(TOKENS / "tokenizer")
@@ -77,7 +81,8 @@ def run_variant(name: str, overrides: dict, systems: list[str], scratch: Path) -
     main_set = eval_sets(params, tokenizer)[0]
     out_dir = scratch / name
     t0 = time.perf_counter()
-    rows = qa_rows(params, main_set, tokenizer, out_dir)
+    with torch.inference_mode(), autocast_for(params.compute.precision, "cpu"):  # as the evaluate stage reads
+        rows = qa_rows(params, main_set, tokenizer, out_dir)
     eval_s = time.perf_counter() - t0
     per_query = {r["system"]: read_per_query(per_query_path(out_dir, main_set.name, r["system"])) for r in rows}
     return {"name": name, "overrides": overrides, "train_s": round(train_s, 1), "eval_s": round(eval_s, 1),

@@ -285,5 +285,8 @@ def test_variant_specs_parse_and_refuse_with_the_item_named():
         parse_variant("base")
     with pytest.raises(ValueError, match="'realm.top_k' is not"):
         parse_variant("v:realm.top_k")
-    with pytest.raises(ValueError, match="only finetune"):
+    with pytest.raises(ValueError, match=r"with a key finetune\.\*"):
         parse_variant("v:realm.top_k=8", prefix="finetune.")
+    assert parse_variant("v:compute.seed=2", prefix=("finetune.", "compute.seed")) == ("v", {"compute.seed": 2})
+    with pytest.raises(ValueError, match=r"with a key finetune\.\* or compute\.seed\*"):
+        parse_variant("v:compute.precision=fp32,", prefix=("finetune.", "compute.seed"))
