@@ -1,7 +1,8 @@
 """ORQA's reader choices on the DEV split (issue 18): one set of pre-trained models, the open-QA
 readers fine-tuned and evaluated once per variant, paired tests over the dev questions.
 
-A variant is a name and dotted `finetune.*` overrides; the first is the baseline the others are
+A variant is a name and dotted overrides of `finetune.*`, `warm_start.head_lr` (the span head's rate) or
+`compute.seed` (the fresh span head and the batch order); the first is the baseline the others are
 compared with. Each variant runs the `finetune_reader@<system>` stage body for every
 `finetune.qa_systems` entry (the own-paragraph phase, then the reader over its own retrieval) and
 the evaluate stage's open-QA rows (`components.eval.rows.qa_rows`), in the workspace, exactly as
