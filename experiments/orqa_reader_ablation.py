@@ -22,7 +22,11 @@ that the workspace's params.yaml must hold first) join one table: point `--cache
 Delete a variant's file to run it again.
 
 Writes experiments/results/orqa_readers.json (EM/F1 per variant and system, the reader fine-tuning
-seconds, the paired randomisation tests) and orqa_readers_per_query.json.gz beside it.
+seconds, the paired randomisation tests) and orqa_readers_per_query.json.gz beside it. `--pool` pools
+the per-query files of calls in several workspaces (pre-training seeds) into one set of tests:
+
+    .venv/bin/python -m experiments.orqa_reader_ablation --out experiments/results/default_readers_k3_dev.json \
+        --pool experiments/results/default_readers_k3_dev_s1234_per_query.json.gz experiments/results/default_readers_k3_dev_s2_per_query.json.gz
 """
 
 from __future__ import annotations
@@ -128,14 +132,67 @@ def compare(variants: list[dict]) -> list[dict]:
     return out
 
 
+PAIRS = [("qa:realm", "qa:closed-book"), ("qa:realm", "qa:bm25"), ("qa:realm", "qa:realm-stale")]  # within a variant
+
+
+def pool(files: list[Path]) -> dict:
+    """Several calls' `*_per_query.json.gz` (one workspace each: a pre-training seed) pooled: each variant
+    against the first, per system, and the systems of PAIRS within each variant; per file and over every
+    (file, question) pair."""
+    from components.eval.significance import paired_test, per_query_metric
+
+    runs = [json.loads(gzip.decompress(f.read_bytes())) for f in files]
+    names = list(runs[0])
+    if any(list(r) != names for r in runs):
+        raise SystemExit(f"--pool: the files hold different variants: {[list(r) for r in runs]}")
+
+    def scores(variant: str, system: str, metric: str) -> list[dict]:
+        return [per_query_metric(r[variant][system], metric) for r in runs]
+
+    def test(a: list[dict], b: list[dict]) -> dict:
+        per = [paired_test(x, y) for x, y in zip(a, b)]
+        tag = lambda i, d: {f"{i}|{q}": v for q, v in d.items()}  # noqa: E731 (a qid is unique within one file only)
+        both = paired_test({k: v for i, d in enumerate(a) for k, v in tag(i, d).items()},
+                           {k: v for i, d in enumerate(b) for k, v in tag(i, d).items()})
+        return {"per_file": [[round(r.delta, 4), round(r.p_value, 4)] for r in per],
+                "delta": round(both.delta, 4), "p": round(both.p_value, 4), "n": both.n}
+
+    out = []
+    systems = [s for s in runs[0][names[0]] if s != "qa:closed-book"]
+    for v in names[1:]:
+        for system in systems:
+            for metric in ("em", "f1"):
+                out.append({"a": f"{v} {system}", "b": f"{names[0]} {system}", "metric": metric,
+                            **test(scores(v, system, metric), scores(names[0], system, metric))})
+    for v in names:
+        for x, y in PAIRS:
+            if x in runs[0][v] and y in runs[0][v]:
+                for metric in ("em", "f1"):
+                    out.append({"a": f"{v} {x}", "b": f"{v} {y}", "metric": metric,
+                                **test(scores(v, x, metric), scores(v, y, metric))})
+    return {"split": SPLIT, "pooled_from": [f.name for f in files], "variants": names, "comparisons": out}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workspace", required=True, type=Path, help="a checkout with data/ and the pre-trained models/")
-    ap.add_argument("--variant", action="append", required=True, metavar="NAME:KEY=VALUE,...")
+    ap.add_argument("--workspace", type=Path, help="a checkout with data/ and the pre-trained models/")
+    ap.add_argument("--variant", action="append", metavar="NAME:KEY=VALUE,...")
+    ap.add_argument("--pool", nargs="+", type=Path, metavar="PER_QUERY_GZ",
+                    help="instead of running: pool earlier calls' *_per_query.json.gz (the same variants, one "
+                         "workspace each), per file and over every (file, question) pair -> --out")
     ap.add_argument("--systems", nargs="+", default=["closed-book", "bm25", "realm"])
     ap.add_argument("--cache", type=Path, help="finished variants (default: <workspace>/bench_orqa_readers)")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
+    if a.pool:
+        res = pool(a.pool)
+        write_text_atomic(a.out, json.dumps(res, indent=2))
+        for c in res["comparisons"]:
+            per = "; ".join(f"{d:+.4f} (p {p:.4f})" for d, p in c["per_file"])
+            print(f"{c['a']} - {c['b']} {c['metric']}: {per}; pooled {c['delta']:+.4f} (p {c['p']:.4f}, n {c['n']})")
+        return res
+    if a.workspace is None or not a.variant:
+        ap.error("--workspace and at least one --variant are required (or --pool)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s - %(message)s")
     specs = [parse_variant(s) for s in a.variant]
     ws = a.workspace.resolve()
