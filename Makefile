@@ -24,8 +24,8 @@ run: setup  ## the main job: the whole pipeline (dvc repro) on the default (real
 # fixtures are built once; each worker starts its own servers), one OpenMP thread each: two on 2 cores.
 # TEST_WORKERS=0 (or empty): one process, the modules in order, at OMP_NUM_THREADS as above.
 TEST_WORKERS ?= 2
-PYTEST = $(if $(filter 0,$(or $(TEST_WORKERS),0)),,OMP_NUM_THREADS=1) $(PY) -m pytest -q \
-	$(if $(filter 0,$(or $(TEST_WORKERS),0)),,-n $(TEST_WORKERS) --dist loadfile)
+SERIAL_TESTS = $(filter 0,$(or $(TEST_WORKERS),0))
+PYTEST = $(if $(SERIAL_TESTS),,OMP_NUM_THREADS=1) $(PY) -m pytest -q $(if $(SERIAL_TESTS),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: setup  ## the full test suite (slow tests included; 9-12 min on 2 cores)
 	$(PYTEST) --durations=15

@@ -112,22 +112,21 @@ def main(argv: list[str] | None = None) -> None:
     reader = SpanReader.from_pretrained(warm, span_scorer=ft.span_scorer, span_hidden=ft.span_hidden)
     model = OpenQA(None, reader, ft.max_answer_tokens, ft.span_softmax).eval()
     collate = QACollator.from_params(tok, blocks, None, ft)
-    eval_batch = args.eval_batch
 
     def batched(qs: int) -> tuple[list[dict], list]:
         bs = [collate(rows[i : i + qs]) for i in range(0, len(rows), qs)]
         return bs, [[[None if r < 0 else blocks[int(r)]["text"] for r in b] for b in batch["candidate_rows"].tolist()] for batch in bs]
 
-    batches, texts = batched(eval_batch)
+    batches, texts = batched(args.eval_batch)
     masks = [b["attention_mask"].flatten(0, 1) for b in batches]  # (B*K, L) each
     tokens = {str(c): fed_tokens(masks, c) for c in args.chunks}
     by_batch = {}  # would more questions per evaluate batch sort better? (tokens only, load-independent)
-    for qs in sorted({8, 16, 32, 128, eval_batch, *args.eval_batches}):
+    for qs in sorted({8, 16, 32, 128, args.eval_batch, *args.eval_batches}):
         m = [collate(rows[i : i + qs])["attention_mask"].flatten(0, 1) for i in range(0, len(rows), qs)]
         by_batch[qs] = {str(c): fed_tokens(m, c) for c in sorted({*args.chunks, ft.reader_chunk_rows})}
     real = int(sum(int(m.sum()) for m in masks))
     widths = [m.shape[1] for m in masks]
-    print(f"{len(rows)} questions x top {ft.qa_top_k}, batches of {eval_batch} ({len(batches)}), widths "
+    print(f"{len(rows)} questions x top {ft.qa_top_k}, batches of {args.eval_batch} ({len(batches)}), widths "
           f"{min(widths)}-{max(widths)} (mean {np.mean(widths):.0f}), mean row {real / sum(m.shape[0] for m in masks):.0f} "
           f"tokens; threads={torch.get_num_threads()} cpu={cpu_model()!r} native_bf16={native} load={load_start}")
 
@@ -225,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                             "median_s": tmed, "speedup": {c: tmed["rows:0"] / m for c, m in tmed.items()}}
 
     res.update(
-        questions=len(rows), top_k=ft.qa_top_k, eval_batch=eval_batch, fed_tokens=tokens, real_tokens=real,
+        questions=len(rows), top_k=ft.qa_top_k, eval_batch=args.eval_batch, fed_tokens=tokens, real_tokens=real,
         fed_tokens_by_eval_batch=by_batch,
         fed_token_ratio={c: tokens["0"] / t for c, t in tokens.items()} if tokens else {}, train=train,
         env={"cpu": cpu_model(), "native_bf16": native, "threads": torch.get_num_threads(),

@@ -139,7 +139,7 @@ def pool(files: list[Path]) -> dict:
     """Several calls' `*_per_query.json.gz` (one workspace each: a pre-training seed) pooled: each variant
     against the first, per system, and the systems of PAIRS within each variant; per file and over every
     (file, question) pair."""
-    from components.eval.significance import paired_test, per_query_metric
+    from components.eval.significance import paired_test, per_query_metric, pooled_by_run
 
     runs = [json.loads(gzip.decompress(f.read_bytes())) for f in files]
     names = list(runs[0])
@@ -151,9 +151,7 @@ def pool(files: list[Path]) -> dict:
 
     def test(a: list[dict], b: list[dict]) -> dict:
         per = [paired_test(x, y) for x, y in zip(a, b)]
-        tag = lambda i, d: {f"{i}|{q}": v for q, v in d.items()}  # noqa: E731 (a qid is unique within one file only)
-        both = paired_test({k: v for i, d in enumerate(a) for k, v in tag(i, d).items()},
-                           {k: v for i, d in enumerate(b) for k, v in tag(i, d).items()})
+        both = paired_test(pooled_by_run(dict(enumerate(a))), pooled_by_run(dict(enumerate(b))))
         return {"per_file": [[round(r.delta, 4), round(r.p_value, 4)] for r in per],
                 "delta": round(both.delta, 4), "p": round(both.p_value, 4), "n": both.n}
 

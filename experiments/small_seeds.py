@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.eval.comparisons import RETRIEVAL_METRICS, Comparison, paper_comparisons, per_query_path, read_per_query  # noqa: E402
-from components.eval.significance import paired_test, per_query_metric  # noqa: E402
+from components.eval.significance import paired_test, per_query_metric, pooled_by_run  # noqa: E402
 from bench.workspace import fresh_clone  # noqa: E402
 from components.eval.report import write_plots  # noqa: E402
 from components.io import write_bytes_atomic, write_text_atomic  # noqa: E402
@@ -301,14 +301,13 @@ def collect(sources: list[Path | dict]) -> dict:
                 a, b = per_query_metric(pq[c.a], metric), per_query_metric(pq[c.b], metric)
                 r = paired_test(a, b)
                 per_seed.append({"delta": r.delta, "p": r.p_value, "n": r.n})
-                pooled_a.update({f"{i}/{q}": v for q, v in a.items()})
-                pooled_b.update({f"{i}/{q}": v for q, v in b.items()})
+                pooled_a[i], pooled_b[i] = a, b
                 pooled_seeds.append(_seed_label(rec, i))
             if not per_seed:
                 continue
             pooled = None
             if len(pooled_seeds) >= 2:
-                r = paired_test(pooled_a, pooled_b)
+                r = paired_test(pooled_by_run(pooled_a), pooled_by_run(pooled_b))
                 pooled = {"delta": r.delta, "p": r.p_value, "n": r.n, "seeds": pooled_seeds}
             comparisons.append({"a": c.a, "b": c.b, "metric": metric, "question": c.question, "per_seed": per_seed,
                                 "pooled": pooled})

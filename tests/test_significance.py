@@ -65,3 +65,13 @@ def test_per_query_metric_reads_the_metrics_layout():
     pq = {"q1": {"ndcg_at_10": 0.5, "recall_at_5": 1.0}, "q2": {"ndcg_at_10": 0.0}}
     assert per_query_metric(pq, "recall_at_5") == {"q1": 1.0}
     assert per_query_metric(pq, "ndcg_at_10") == {"q1": 0.5, "q2": 0.0}
+
+
+def test_pooled_by_run_keeps_the_same_question_of_two_runs_apart():
+    from components.eval.significance import pooled_by_run
+
+    a = pooled_by_run({0: {"q1": 1.0, "q2": 0.0}, 1: {"q1": 0.0}})
+    b = pooled_by_run({0: {"q1": 0.0, "q2": 0.0}, 1: {"q1": 0.0}})
+    assert a == {"0/q1": 1.0, "0/q2": 0.0, "1/q1": 0.0}
+    r = paired_test(a, b)
+    assert r.n == 3 and r.delta == pytest.approx(1 / 3)

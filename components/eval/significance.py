@@ -58,6 +58,13 @@ def paired_test(a: Mapping[str, float], b: Mapping[str, float], *, n_resamples: 
     return PairedResult(delta=float(d.mean()), p_value=min(1.0, p), n=n)
 
 
+def pooled_by_run(runs: Mapping[object, Mapping[str, float]]) -> dict[str, float]:
+    """Per-run `{qid: value}` maps (one per seed or workspace) as one map over (run, qid) pairs, keyed
+    `<run>/<qid>`: a query id is unique within one run only, so the same question in two runs is two pairs.
+    Pool both sides of a paired test with the same run labels."""
+    return {f"{r}/{q}": v for r, scores in runs.items() for q, v in scores.items()}
+
+
 def per_query_metric(per_query: Mapping[str, Mapping[str, float]], metric: str) -> dict[str, float]:
     """`{qid: {metric: value}}` (as `retrieval_metrics`/`qa_metrics` return) -> `{qid: value}`."""
     return {q: float(v[metric]) for q, v in per_query.items() if metric in v}
