@@ -84,6 +84,7 @@ from components.models.ops.dropout import fast_dropout_masks, use_fast_dropout  
 from components.models.realm import REALM, KnowledgeAugmentedEncoder  # noqa: E402
 from components.models.retriever import Retriever  # noqa: E402
 from components.models.retromae import RetroMAE  # noqa: E402
+from components.training.memory import allocator  # noqa: E402
 from components.training.precision import autocast_for, cpu_has_native_bf16  # noqa: E402
 from components.training.optim import param_groups  # noqa: E402
 
@@ -435,6 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": args.preset, "warm_start": warm, "table": table, "dropout_masks": masks, "fast_dropout": fast,
         "compile": args.compile,
         "env": {"cpu": cpu_model(), "native_bf16": native, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                "malloc": allocator(),  # the stages preload mimalloc (scripts/py); `python -m bench...` runs glibc's
                 "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
                 "loadavg_start": load_start, "loadavg": os.getloadavg(), "commit": git_commit(),
                 "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
