@@ -115,9 +115,17 @@ def cached_variant(cache: Path, name: str, overrides: dict, run) -> dict:
     return v
 
 
+PAIRS = [("qa:realm", "qa:closed-book"), ("qa:realm", "qa:bm25"), ("qa:realm", "qa:realm-stale")]  # within a variant
+
+
 def compare(variants: list[dict]) -> list[dict]:
-    """Each later variant against the first, per system and metric (paired randomisation test)."""
+    """Each later variant against the first, per system and metric, then the systems of PAIRS within each
+    variant (paired randomisation tests; a within-variant row names its system in `a` and `b`)."""
     from components.eval.significance import paired_test, per_query_metric
+
+    def row(first: dict, second: dict, metric: str, **names) -> dict:
+        r = paired_test(per_query_metric(first, metric), per_query_metric(second, metric))
+        return {**names, "metric": metric, "delta": round(r.delta, 4), "p": round(r.p_value, 4), "n": r.n}
 
     base, out = variants[0], []
     for v in variants[1:]:
@@ -125,14 +133,15 @@ def compare(variants: list[dict]) -> list[dict]:
             if system not in v["per_query"] or system == "qa:closed-book":
                 continue
             for metric in ("em", "f1"):
-                r = paired_test(per_query_metric(v["per_query"][system], metric),
-                                per_query_metric(base["per_query"][system], metric))
-                out.append({"a": v["name"], "b": base["name"], "system": system, "metric": metric,
-                            "delta": round(r.delta, 4), "p": round(r.p_value, 4), "n": r.n})
+                out.append(row(v["per_query"][system], base["per_query"][system], metric,
+                               a=v["name"], b=base["name"], system=system))
+    for v in variants:
+        for x, y in PAIRS:
+            if x in v["per_query"] and y in v["per_query"]:
+                for metric in ("em", "f1"):
+                    out.append(row(v["per_query"][x], v["per_query"][y], metric,
+                                   a=f"{v['name']} {x}", b=f"{v['name']} {y}", system=""))
     return out
-
-
-PAIRS = [("qa:realm", "qa:closed-book"), ("qa:realm", "qa:bm25"), ("qa:realm", "qa:realm-stale")]  # within a variant
 
 
 def pool(files: list[Path]) -> dict:
@@ -211,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     write_bytes_atomic(a.out.with_name(a.out.stem + "_per_query.json.gz"),
                        gzip.compress(json.dumps({x["name"]: x["per_query"] for x in variants}).encode()))
     for c in res["comparisons"]:
-        print(f"{c['a']} - {c['b']}  {c['system']:<16} {c['metric']}: {c['delta']:+.4f} (p {c['p']:.4f}, n {c['n']})")
+        system = f"  {c['system']:<16}" if c["system"] else ""  # a within-variant row names its systems in a and b
+        print(f"{c['a']} - {c['b']}{system} {c['metric']}: {c['delta']:+.4f} (p {c['p']:.4f}, n {c['n']})")
     return res
 
 

@@ -57,3 +57,17 @@ def test_the_command_line_pools_into_out(tmp_path, capsys):
     res = A.main(["--out", str(out), "--pool", *map(str, files)])
     assert json.loads(out.read_text()) == res
     assert "k3 qa:realm - base qa:realm em: +0.5000 (p" in capsys.readouterr().out
+
+
+def test_one_call_compares_each_variant_with_the_first_and_the_systems_within_each():
+    def variant(name, realm, bm25):
+        return {"name": name, "per_query": {"qa:realm": {f"q{i}": {"em": x, "f1": x} for i, x in enumerate(realm)},
+                                            "qa:bm25": {f"q{i}": {"em": x, "f1": x} for i, x in enumerate(bm25)}}}
+    rows = A.compare([variant("base", [1, 0, 0, 0], [0, 1, 0, 0]), variant("joint", [1, 1, 0, 0], [0, 0, 0, 0])])
+    by = {(c["a"], c["b"], c["system"], c["metric"]): c for c in rows}
+    assert by[("joint", "base", "qa:realm", "em")]["delta"] == 0.25
+    assert by[("joint", "base", "qa:bm25", "em")]["delta"] == -0.25
+    assert by[("joint qa:realm", "joint qa:bm25", "", "em")]["delta"] == 0.5
+    assert by[("base qa:realm", "base qa:bm25", "", "f1")]["delta"] == 0.0
+    assert len(rows) == 2 * 2 + 2 * 2  # no closed-book or realm-stale here: their PAIRS rows are skipped
+
