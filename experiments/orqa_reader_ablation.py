@@ -116,38 +116,37 @@ def cached_variant(cache: Path, name: str, overrides: dict, run) -> dict:
 
 
 PAIRS = [("qa:realm", "qa:closed-book"), ("qa:realm", "qa:bm25"), ("qa:realm", "qa:realm-stale")]  # within a variant
+METRICS = ("em", "f1")
+
+
+def tested_pairs(systems: dict[str, list[str]]) -> list[tuple[str, str, str, str]]:
+    """(variant A, system A, variant B, system B) of every test, from {variant: its systems} (the first
+    variant is the baseline): each later variant against the first per system (closed-book, which never
+    answers, excepted), then the systems of PAIRS within each variant."""
+    names = list(systems)
+    base = names[0]
+    return ([(v, s, base, s) for v in names[1:] for s in systems[base] if s in systems[v] and s != "qa:closed-book"]
+            + [(v, x, v, y) for v in names for x, y in PAIRS if x in systems[v] and y in systems[v]])
 
 
 def compare(variants: list[dict]) -> list[dict]:
-    """Each later variant against the first, per system and metric, then the systems of PAIRS within each
-    variant (paired randomisation tests; a within-variant row names its system in `a` and `b`)."""
+    """One call's paired randomisation tests (`tested_pairs`). A variant-against-base row names the variants
+    in `a` / `b` and the system in `system`; a within-variant row names `<variant> <system>` in both."""
     from components.eval.significance import paired_test, per_query_metric
 
-    def row(first: dict, second: dict, metric: str, **names) -> dict:
-        r = paired_test(per_query_metric(first, metric), per_query_metric(second, metric))
-        return {**names, "metric": metric, "delta": round(r.delta, 4), "p": round(r.p_value, 4), "n": r.n}
-
-    base, out = variants[0], []
-    for v in variants[1:]:
-        for system in base["per_query"]:
-            if system not in v["per_query"] or system == "qa:closed-book":
-                continue
-            for metric in ("em", "f1"):
-                out.append(row(v["per_query"][system], base["per_query"][system], metric,
-                               a=v["name"], b=base["name"], system=system))
-    for v in variants:
-        for x, y in PAIRS:
-            if x in v["per_query"] and y in v["per_query"]:
-                for metric in ("em", "f1"):
-                    out.append(row(v["per_query"][x], v["per_query"][y], metric,
-                                   a=f"{v['name']} {x}", b=f"{v['name']} {y}", system=""))
+    pq = {v["name"]: v["per_query"] for v in variants}
+    out = []
+    for va, sa, vb, sb in tested_pairs({name: list(systems) for name, systems in pq.items()}):
+        names = {"a": va, "b": vb, "system": sa} if va != vb else {"a": f"{va} {sa}", "b": f"{vb} {sb}", "system": ""}
+        for metric in METRICS:
+            r = paired_test(per_query_metric(pq[va][sa], metric), per_query_metric(pq[vb][sb], metric))
+            out.append({**names, "metric": metric, "delta": round(r.delta, 4), "p": round(r.p_value, 4), "n": r.n})
     return out
 
 
 def pool(files: list[Path]) -> dict:
-    """Several calls' `*_per_query.json.gz` (one workspace each: a pre-training seed) pooled: each variant
-    against the first, per system, and the systems of PAIRS within each variant; per file and over every
-    (file, question) pair."""
+    """Several calls' `*_per_query.json.gz` (one workspace each: a pre-training seed) pooled: the tests of
+    `tested_pairs`, per file and over every (file, question) pair."""
     from components.eval.significance import paired_test, per_query_metric, pooled_by_run
 
     runs = [json.loads(gzip.decompress(f.read_bytes())) for f in files]
@@ -165,18 +164,10 @@ def pool(files: list[Path]) -> dict:
                 "delta": round(both.delta, 4), "p": round(both.p_value, 4), "n": both.n}
 
     out = []
-    systems = [s for s in runs[0][names[0]] if s != "qa:closed-book"]
-    for v in names[1:]:
-        for system in systems:
-            for metric in ("em", "f1"):
-                out.append({"a": f"{v} {system}", "b": f"{names[0]} {system}", "metric": metric,
-                            **test(scores(v, system, metric), scores(names[0], system, metric))})
-    for v in names:
-        for x, y in PAIRS:
-            if x in runs[0][v] and y in runs[0][v]:
-                for metric in ("em", "f1"):
-                    out.append({"a": f"{v} {x}", "b": f"{v} {y}", "metric": metric,
-                                **test(scores(v, x, metric), scores(v, y, metric))})
+    for va, sa, vb, sb in tested_pairs({v: list(runs[0][v]) for v in names}):
+        for metric in METRICS:
+            out.append({"a": f"{va} {sa}", "b": f"{vb} {sb}", "metric": metric,
+                        **test(scores(va, sa, metric), scores(vb, sb, metric))})
     return {"split": SPLIT, "pooled_from": [f.name for f in files], "variants": names, "comparisons": out}
 
 
