@@ -16,9 +16,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from components.data.beir import qrels_files  # noqa: E402
+from components.data.textfile import resolve_member  # noqa: E402
+
 SHIPPED = ROOT / "corpora" / "squad-v1.1-dev-a0-11"
 
 
@@ -27,10 +33,10 @@ def _open(path: Path, mode: str):
 
 
 def _find(folder: Path, name: str) -> Path:
-    for p in (folder / name, folder / f"{name}.gz"):
-        if p.exists():
-            return p
-    raise SystemExit(f"{folder}: no {name} or {name}.gz")
+    path = resolve_member(folder, name)  # name or name.gz; both is refused as ambiguous
+    if not path.exists():
+        raise SystemExit(f"{folder}: no {name} or {name}.gz")
+    return path
 
 
 def parse_articles(spec: str) -> set[int]:
@@ -67,7 +73,7 @@ def subset(src: Path, out: Path, articles: set[int]) -> dict[str, int]:
     copy_jsonl(_find(src, "queries.jsonl"), lambda r: r["_id"] in keep_q)
     copy_jsonl(qa_path, lambda r: r["id"] in keep_q)
     (out / "qrels").mkdir(exist_ok=True)
-    for q in sorted((src / "qrels").iterdir()):
+    for q in qrels_files(src).values():
         with _open(q, "r") as f, _open(out / "qrels" / q.name, "w") as g:
             n = 0
             for i, line in enumerate(f):
