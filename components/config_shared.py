@@ -38,9 +38,12 @@ class ComputeParams(Section):
                                       "(needed when nnodes > 1; $RR_RDZV_ENDPOINT overrides it)")
     rdzv_id: str | None = Field(pattern=r"^[\w.-]+$", description="rendezvous id shared by every node's launcher "
                                 "($RR_RDZV_ID overrides it); null: the stage's MLflow run id")
-    precision: Literal["auto", "bf16_if_native", "fp32", "bf16", "fp16"] = Field(
+    precision: Literal["auto", "bf16_if_native", "bf16_if_faster", "fp32", "bf16", "fp16"] = Field(
         description="auto: bf16 on a CUDA device with bf16, else fp32; bf16_if_native: also bf16 on a CPU with "
-        "AVX512-BF16/AMX (elsewhere CPU bf16 is emulated and slower than fp32); fp32 | bf16 | fp16: as named")
+        "AVX512-BF16/AMX (elsewhere CPU bf16 is emulated and slower than fp32); bf16_if_faster: bf16 on that CUDA "
+        "device, and on a CPU only where bf16 matmuls measured >= 1.25x fp32's (once per CPU, cached: "
+        "components/training/precision.py), since some CPUs list AVX512-BF16 and run it no faster; "
+        "fp32 | bf16 | fp16: as named")
     num_threads: int = Field(ge=0, description="torch intra-op threads; 0 = torch default")
     seed: int = Field(ge=0)
     ddp_backend: Literal["auto", "gloo", "nccl"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -385,7 +386,49 @@ def test_bf16_if_native_follows_the_cpu(monkeypatch, caplog):
     T._warn_emulated_bf16.cache_clear()
     with caplog.at_level("WARNING", logger=T.__name__):
         assert T.resolve_precision("bf16", cpu) == "bf16"
-    assert "compute.precision=bf16_if_native" in caplog.text
+    assert "compute.precision=bf16_if_faster" in caplog.text
+
+
+def test_bf16_if_faster_follows_the_measured_speedup(monkeypatch, tmp_path):
+    """`bf16_if_faster` runs bf16 on a CPU only where its bf16 matmuls measured >= BF16_MIN_SPEEDUP x
+    fp32's; the measurement is made once per machine key and read back from $RR_PRECISION_CACHE after,
+    a broken cache file is measured again, and a CPU without bf16 instructions is never measured."""
+    from components.training import precision as T
+
+    cpu = torch.device("cpu")
+    cache = tmp_path / "cache" / "precision.json"
+    monkeypatch.setenv(T.PRECISION_CACHE_ENV, str(cache))
+    monkeypatch.setattr(T, "cpu_has_native_bf16", lambda: True)
+    calls = []
+
+    def measure_as(speedup):
+        monkeypatch.setattr(T, "measure_cpu_bf16_speedup", lambda: calls.append(speedup) or speedup)
+        T.cpu_bf16_speedup.cache_clear()
+
+    measure_as(T.BF16_MIN_SPEEDUP + 0.5)
+    assert T.resolve_precision("bf16_if_faster", cpu) == "bf16" and calls == [T.BF16_MIN_SPEEDUP + 0.5]
+    measure_as(1.0)  # a new process on the same machine: the file answers, nothing is measured
+    assert T.resolve_precision("bf16_if_faster", cpu) == "bf16" and len(calls) == 1
+    assert json.loads(cache.read_text()) == {T._machine_key(): T.BF16_MIN_SPEEDUP + 0.5}
+
+    cache.write_text("{not json")
+    measure_as(1.0)
+    with T.autocast_for("bf16_if_faster", cpu):
+        assert (torch.randn(4, 8) @ torch.randn(8, 3)).dtype == torch.float32
+    assert calls[-1] == 1.0 and json.loads(cache.read_text()) == {T._machine_key(): 1.0}
+
+    monkeypatch.setattr(T, "cpu_has_native_bf16", lambda: False)
+    measure_as(9.0)
+    assert T.resolve_precision("bf16_if_faster", cpu) == "fp32" and calls[-1] == 1.0
+    T.cpu_bf16_speedup.cache_clear()
+
+
+def test_measure_cpu_bf16_speedup_times_both_precisions():
+    """The measurement itself, at a toy shape: a positive, finite fp32 / bf16 time ratio."""
+    from components.training.precision import measure_cpu_bf16_speedup
+
+    ratio = measure_cpu_bf16_speedup(rounds=1, rows=32, width=16)
+    assert math.isfinite(ratio) and ratio > 0
 
 
 class _MaskedBert(nn.Module):
