@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from components.config import Params, load_params
+from components.quiet_logs import quiet_third_party_logs
 
 # dvc.yaml's stages; a foreach / matrix group (pretrain_realm, finetune_*) names all its `<group>@<item>` stages
 STAGES = ["prepare_corpus", "tokenize", "pretrain_retromae", "pretrain_mlm", "pretrain_realm", "finetune_retriever",
@@ -62,6 +63,7 @@ def forward_library_logs(names: tuple[str, ...] = LIBRARY_LOGGERS) -> None:
 
 
 forward_library_logs()
+quiet_third_party_logs()  # transformers' per-load bars and expected load reports: components/quiet_logs.py
 
 
 def flush_api_logs(timeout: float = 10.0) -> None:

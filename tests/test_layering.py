@@ -24,6 +24,7 @@ RANK = {name: i for i, name in enumerate(LAYERS)}
 _BY_PREFIX = {  # dotted module prefix -> layer; the longest matching prefix wins
     "components.config": "base", "components.config_file": "base", "components.config_shared": "base",
     "components.config_stages": "base", "components.io": "base", "components.paths": "base", "components.progress": "base",
+    "components.quiet_logs": "base",
     "components.data": "data",
     "components.models": "models",
     "components.index": "index/retrieval", "components.retrieval": "index/retrieval",

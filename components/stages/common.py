@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 from components.config import Params, load_params
 from components.io import tree_digest, write_json_atomic
 from components.paths import CHECKPOINTS, CORPUS, stage_metrics
+from components.quiet_logs import quiet_third_party_logs
 from components.training.memory import peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ def torchrun_worker(stage: str, body: Callable[[Params, object], dict]) -> None:
     from components.training import distributed as D
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_third_party_logs()
     params = load_params(os.environ.get("RR_PARAMS", "params.yaml"))
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 and os.environ.get(ENV_RUN):
