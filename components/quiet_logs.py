@@ -14,8 +14,10 @@ warning still print. Hub downloads keep their progress bars.
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
 import re
+import sys
 
 # transformers' weight-copy bars; a download's bar has another description and stays
 QUIET_BARS = ("Loading weights", "Writing model shards")
@@ -23,6 +25,7 @@ QUIET_BARS = ("Loading weights", "Writing model shards")
 # never reads (load_encoder drops it; a sentence-transformers folder has none)
 EXPECTED_MISSING = ("pooler.",)
 
+TF_LOGGING = "transformers.utils.logging"  # where transformers' tqdm and its hook live
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ROW = re.compile(r"^\s*(\S+)\s*\|\s*([A-Z_]+)\s*\|", re.M)  # "key | STATUS |", the report's table rows
 
@@ -48,18 +51,49 @@ def _quiet_bar(factory, args, kwargs):
     return factory(*args, **kwargs)
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then(module)` right after the module `name` is first imported, so that a process that
+    never loads transformers (a data stage) does not import it to quiet it (tests/test_stage_startup.py)."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once, and out of the way of the finders asked below
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            exec_module, then = spec.loader.exec_module, self.then
+
+            def exec_then(module):
+                exec_module(module)
+                then(module)
+
+            spec.loader.exec_module = exec_then  # this spec's own loader instance
+        return spec
+
+
+def _hook_bars(tf_logging) -> None:
+    if hasattr(tf_logging, "set_tqdm_hook"):  # transformers >= 5; older ones keep their bars
+        tf_logging.set_tqdm_hook(_quiet_bar)
+
+
 def quiet_third_party_logs() -> None:
-    """Install the filter on transformers' loader logger and the progress-bar hook; bm25s's DEBUG
-    lines (one per index built) off. Idempotent; a transformers without the hook keeps its bars."""
+    """Install the filter on transformers' loader logger and the progress-bar hook (now if transformers
+    is loaded, else when it is); bm25s's DEBUG lines (one per index built) off. Idempotent."""
     logger = logging.getLogger("transformers.modeling_utils")
     if not any(isinstance(f, _DropExpectedLoadReports) for f in logger.filters):
         logger.addFilter(_DropExpectedLoadReports())
-    try:
-        from transformers.utils.logging import set_tqdm_hook
-    except ImportError:
-        pass
-    else:
-        set_tqdm_hook(_quiet_bar)
+    if TF_LOGGING in sys.modules:
+        _hook_bars(sys.modules[TF_LOGGING])
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(TF_LOGGING, _hook_bars))
     bm25s = logging.getLogger("bm25s")
     if bm25s.level == logging.NOTSET:
         bm25s.setLevel(logging.INFO)

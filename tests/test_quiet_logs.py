@@ -105,3 +105,26 @@ def test_the_weight_copy_bars_are_off_and_other_bars_stay():
     for desc in ("Loading weights", "Writing model shards"):
         assert hook(made, (range(2),), {"desc": desc}) == {"desc": desc, "disable": True}
     assert hook(made, (range(2),), {"desc": "model.safetensors"}) == {"desc": "model.safetensors"}
+
+
+def test_the_bar_hook_waits_for_transformers_to_be_imported():
+    """In a process that has not imported transformers, quieting it imports nothing; the hook is
+    installed when transformers' logging module is first imported."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = textwrap.dedent("""
+        import sys
+        from components.quiet_logs import quiet_third_party_logs
+        quiet_third_party_logs()
+        quiet_third_party_logs()
+        print("transformers" in sys.modules)
+        from transformers.utils import logging
+        print(logging._tqdm_hook.__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "_quiet_bar"]
