@@ -8,16 +8,18 @@ for MLflow's model log. Its own loaders raise on the keys that would matter (enc
 from a checkpoint: components/models/encoder.py, components/models/reader.py).
 
 `quiet_third_party_logs()` turns those two bars off and drops a load report whose every row is
-expected; any other report (a missing encoder weight, a size mismatch, a conversion) and every other
+expected (`expect_missing` adds what a loader builds itself); any other report (a missing encoder weight, a size mismatch, a conversion) and every other
 warning still print. Hub downloads keep their progress bars.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import logging
 import re
 import sys
+from typing import Iterator
 
 # transformers' weight-copy bars; a download's bar has another description and stays
 QUIET_BARS = ("Loading weights", "Writing model shards")
@@ -30,12 +32,27 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ROW = re.compile(r"^\s*(\S+)\s*\|\s*([A-Z_]+)\s*\|", re.M)  # "key | STATUS |", the report's table rows
 
 
+_missing_ok: list[str] = []  # prefixes `expect_missing` adds while a caller loads
+
+
+@contextlib.contextmanager
+def expect_missing(*prefixes: str) -> Iterator[None]:
+    """Within: MISSING keys under `prefixes` count as expected too. For a loader that builds those weights
+    itself and says so (a fresh span head, an MLM head built on a bare encoder)."""
+    _missing_ok.extend(prefixes)
+    try:
+        yield
+    finally:
+        del _missing_ok[len(_missing_ok) - len(prefixes):]
+
+
 def expected_load_report(message: str) -> bool:
     """Whether a transformers LOAD REPORT lists only expected keys: UNEXPECTED ones (checkpoint weights
-    the model does not use, e.g. an MLM head) and MISSING ones under EXPECTED_MISSING. A report in a
-    format this does not parse (no rows found) counts as unexpected, so it prints."""
+    the model does not use, e.g. an MLM head) and MISSING ones under EXPECTED_MISSING (or `expect_missing`'s
+    prefixes). A report in a format this does not parse (no rows found) counts as unexpected, so it prints."""
+    missing_ok = EXPECTED_MISSING + tuple(_missing_ok)
     rows = [(key, status) for key, status in _ROW.findall(_ANSI.sub("", message)) if key != "Key"]
-    return bool(rows) and all(status == "UNEXPECTED" or (status == "MISSING" and key.startswith(EXPECTED_MISSING))
+    return bool(rows) and all(status == "UNEXPECTED" or (status == "MISSING" and key.startswith(missing_ok))
                               for key, status in rows)
 
 
@@ -99,4 +116,4 @@ def quiet_third_party_logs() -> None:
         bm25s.setLevel(logging.INFO)
 
 
-__all__ = ["EXPECTED_MISSING", "QUIET_BARS", "expected_load_report", "quiet_third_party_logs"]
+__all__ = ["EXPECTED_MISSING", "QUIET_BARS", "expect_missing", "expected_load_report", "quiet_third_party_logs"]

@@ -128,3 +128,33 @@ def test_the_bar_hook_waits_for_transformers_to_be_imported():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "_quiet_bar"]
+
+
+def test_a_loader_may_expect_what_it_builds(loader_log, tmp_path):
+    """load_mlm_encoder on a bare encoder (MiniLM's shape: no MLM head) builds the head and warns
+    itself; HF's report of the missing head is dropped then, and prints outside `expect_missing`."""
+    from transformers import AutoModelForMaskedLM, BertModel
+
+    from components.models.encoder import load_mlm_encoder
+    from components.quiet_logs import expect_missing
+
+    BertModel(tiny_bert_config()).save_pretrained(tmp_path / "bare")
+    quiet_third_party_logs()
+    load_mlm_encoder(tmp_path / "bare")
+    assert _reports(loader_log) == []
+    AutoModelForMaskedLM.from_pretrained(tmp_path / "bare")
+    (report,) = _reports(loader_log)
+    assert "cls.predictions" in report
+    with expect_missing("cls."):
+        assert expected_load_report(report)
+    assert not expected_load_report(report)
+
+
+def test_a_reader_from_an_encoder_folder_logs_no_report(loader_log, mlm_folder):
+    """SpanReader from REALM's knowledge-augmented encoder (an MLM folder): the unused MLM head and
+    the fresh span head are both expected."""
+    from components.models.reader import SpanReader
+
+    quiet_third_party_logs()
+    SpanReader.from_pretrained(mlm_folder)
+    assert _reports(loader_log) == []

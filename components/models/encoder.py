@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from components.io import atomic_dir, write_json_atomic
+from components.quiet_logs import expect_missing
 
 logger = logging.getLogger(__name__)
 
@@ -325,9 +326,10 @@ def load_mlm_encoder(path: str | os.PathLike, vocab_size: int | None = None, dro
     from transformers import AutoModelForMaskedLM
 
     path = _readable(path)
-    model, info = AutoModelForMaskedLM.from_pretrained(
-        path, output_loading_info=True, attn_implementation="sdpa", **_dropout_overrides(dropout)
-    )
+    with expect_missing(_HEAD_PREFIX):  # built below, with its own warning: HF's report would repeat it
+        model, info = AutoModelForMaskedLM.from_pretrained(
+            path, output_loading_info=True, attn_implementation="sdpa", **_dropout_overrides(dropout)
+        )
     mlm_head(model)  # fail early on an unsupported encoder family
     missing = sorted(info["missing_keys"])
     _raise_on_missing(path, [k for k in missing if not k.startswith(_HEAD_PREFIX)])

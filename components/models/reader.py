@@ -74,6 +74,7 @@ from torch import nn
 
 from components.io import atomic_dir, write_json_atomic
 from components.models.encoder import run_length_chunks
+from components.quiet_logs import expect_missing
 from components.models.span_scores import NEG, SpanMLP, marginal_nll, masked_log_softmax, span_pairs, span_valid
 
 if TYPE_CHECKING:
@@ -118,7 +119,8 @@ class SpanReader(nn.Module):
         from transformers import AutoModelForQuestionAnswering
 
         overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-        model, info = AutoModelForQuestionAnswering.from_pretrained(str(path), output_loading_info=True, **overrides)
+        with expect_missing("qa_outputs"):  # the span head starts fresh from an encoder folder
+            model, info = AutoModelForQuestionAnswering.from_pretrained(str(path), output_loading_info=True, **overrides)
         missing = [k for k in info["missing_keys"] if not k.startswith("qa_outputs")]
         if missing:
             raise ValueError(f"{path}: reader encoder weights missing (would be random): {sorted(missing)[:8]}")
