@@ -8,8 +8,9 @@ for MLflow's model log. Its own loaders raise on the keys that would matter (enc
 from a checkpoint: components/models/encoder.py, components/models/reader.py).
 
 `quiet_third_party_logs()` turns those two bars off and drops a load report whose every row is
-expected (`expect_missing` adds what a loader builds itself); any other report (a missing encoder weight, a size mismatch, a conversion) and every other
-warning still print. Hub downloads keep their progress bars.
+expected (`expect_missing` adds what a loader builds itself). Any other report (a missing encoder
+weight, a size mismatch, a conversion) and every other warning still print; hub downloads keep their
+progress bars.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ EXPECTED_MISSING = ("pooler.",)
 TF_LOGGING = "transformers.utils.logging"  # where transformers' tqdm and its hook live
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ROW = re.compile(r"^\s*(\S+)\s*\|\s*([A-Z_]+)\s*\|", re.M)  # "key | STATUS |", the report's table rows
-
 
 _missing_ok: list[str] = []  # prefixes `expect_missing` adds while a caller loads
 

@@ -74,8 +74,8 @@ from torch import nn
 
 from components.io import atomic_dir, write_json_atomic
 from components.models.encoder import run_length_chunks
-from components.quiet_logs import expect_missing
 from components.models.span_scores import NEG, SpanMLP, marginal_nll, masked_log_softmax, span_pairs, span_valid
+from components.quiet_logs import expect_missing
 
 if TYPE_CHECKING:
     from components.data.qa_batch import QACollator
