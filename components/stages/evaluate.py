@@ -96,7 +96,7 @@ def evaluate(params: Params, run=None) -> dict:
     paper = paper_comparisons(REALM_START_ROW.get(params.realm.retriever_init),
                               [n for n in ft.train_sizes if n != ft.largest_size()])
     # the encoders and readers evaluate on the CPU (HFEncoder, OpenQA.from_pretrained), in
-    # compute.precision: bf16 is ~2.5x faster than fp32 on a CPU with AVX512-BF16 (and slower without it: bf16_if_native)
+    # compute.precision: bf16 is ~2.5x faster than fp32 on most CPUs with AVX512-BF16 or AMX, slower elsewhere (bf16_if_faster)
     with torch.inference_mode(), autocast_for(params.compute.precision, "cpu"):
         for es in eval_sets(params, tokenizer):
             if es.beir is not None and es.beir.queries:
