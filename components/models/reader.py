@@ -82,6 +82,7 @@ if TYPE_CHECKING:
 
 OPENQA_CONFIG = "openqa_config.json"
 SPAN_MLP_FILE = "span_mlp.safetensors"
+_SPAN_HEAD_PREFIX = "qa_outputs"  # BertForQuestionAnswering's span head; every other weight is the encoder's
 SPAN_SOFTMAX = ("per_block", "joint")
 NO_SPAN = {"answer": "", "block": -1, "start": -1, "end": -1, "score": float("-inf")}  # a question without a valid span
 
@@ -119,9 +120,9 @@ class SpanReader(nn.Module):
         from transformers import AutoModelForQuestionAnswering
 
         overrides = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-        with expect_missing("qa_outputs"):  # the span head starts fresh from an encoder folder
+        with expect_missing(_SPAN_HEAD_PREFIX):  # the span head starts fresh from an encoder folder
             model, info = AutoModelForQuestionAnswering.from_pretrained(str(path), output_loading_info=True, **overrides)
-        missing = [k for k in info["missing_keys"] if not k.startswith("qa_outputs")]
+        missing = [k for k in info["missing_keys"] if not k.startswith(_SPAN_HEAD_PREFIX)]
         if missing:
             raise ValueError(f"{path}: reader encoder weights missing (would be random): {sorted(missing)[:8]}")
         mlp_file = Path(path) / SPAN_MLP_FILE

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from components.io import write_json_atomic
+
 log = logging.getLogger(__name__)
 
 # bf16_if_faster picks bf16 on a CPU only when its matmuls run at least this much faster than fp32's: a
@@ -106,8 +108,6 @@ def cpu_bf16_speedup() -> float:
         cache = cache if isinstance(cache, dict) else {}
         if not isinstance(cache.get(key), (int, float)):
             cache[key] = round(measure_cpu_bf16_speedup(), 3)
-            from components.io import write_json_atomic
-
             write_json_atomic(path, cache)
             log.info("compute.precision=bf16_if_faster: bf16 matmuls ran %.2fx fp32's on this CPU (%s); "
                      "saved in %s", cache[key], key, path)
