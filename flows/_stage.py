@@ -247,6 +247,50 @@ def _log_reader(run: StageRun, path: Path, name: str, tags: dict[str, str]):
                          run_id=run.run_id, tags=tags, pip_requirements=_requirements("python_function"))
 
 
+def _warm_start_card(params: Params):
+    """The warm start's own model card (README.md of its folder, or of a hub model already in the
+    local HF cache; never a download), or None."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+
+    from components.models.encoder import warm_start_path
+
+    try:
+        spec = warm_start_path(params)
+    except ValueError:
+        return None
+    if spec is None:
+        return None
+    readme: Path | None = Path(spec) / "README.md"
+    try:
+        if not Path(spec).exists():  # a hub name: its README only if already in the local HF cache
+            cached = try_to_load_from_cache(spec, "README.md")
+            readme = Path(cached) if isinstance(cached, str) else None
+        return ModelCard.load(str(readme)) if readme is not None and readme.is_file() else None
+    except Exception:  # noqa: BLE001 - no card, or one that does not parse: no licence to pass on
+        return None
+
+
+def model_card(run: StageRun, path: Path, name: str, task: str | None):
+    """The model card MLflow's transformers flavor stores with a logged model (README.md and its YAML
+    card data): the stage's own model_card.md (in the folder or beside it) under metadata that names
+    the warm start as the base model and carries its declared licence. Without a card MLflow asks the
+    HF hub for one under the folder's path and warns twice per model."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    base = _warm_start_card(run.params)
+    license_ = getattr(base.data, "license", None) if base is not None else None
+    data = run.params.data
+    corpus = f"`data.source: {data.source}`" + (f", `data.path: {data.path}`" if data.path else "")
+    body = next((f.read_text() for f in (path / "model_card.md", path.parent / "model_card.md") if f.is_file()),
+                f"# {name}\n\nLogged by retro-realm's `{run.stage}` stage from `{path}`.\n")
+    body += ("\n## Licence\n\n" + (f"`{license_}`, as the warm start's model card declares it (`warm_start.path`: "
+                                       f"`{run.params.warm_start.path}`). " if license_ else "None declared. ")
+             + f"The training corpus's licence applies too ({corpus}; the shipped SQuAD slice's is CC BY-SA 4.0).\n")
+    meta = ModelCardData(license=license_, base_model=run.params.warm_start.path, library_name="transformers",
+                         pipeline_tag=task, tags=["retro-realm", run.stage])
+    return ModelCard(f"---\n{meta.to_yaml()}\n---\n{body}")
+
+
 def log_model(run: StageRun, path: str | os.PathLike, name: str, flavor: str, task: str | None = None) -> str:
     """Log the folder `path` as the logged model `name` of `run`; returns its model id."""
     import mlflow
@@ -273,7 +317,8 @@ def log_model(run: StageRun, path: str | os.PathLike, name: str, flavor: str, ta
         # a pipeline, not the folder: MLflow 3.17 reads a folder's task through an API transformers 5 changed
         pipe = transformers.pipeline(task, model=str(path), tokenizer=str(path), device="cpu")
         info = Model.log(None, name=name, flavor=mlflow.transformers, transformers_model=pipe, task=task,
-                         run_id=run.run_id, tags=tags, pip_requirements=_requirements(flavor))
+                         model_card=model_card(run, Path(path), name, task), run_id=run.run_id, tags=tags,
+                         pip_requirements=_requirements(flavor))
     log.info("logged model %s (%s) from %s in %.1fs: %s", name, flavor, path, time.perf_counter() - t0, info.model_uri)
     return info.model_id
 

@@ -90,6 +90,9 @@ def test_logged_models_have_flavors_load_back_and_are_outputs_of_their_run(folde
         loaded = mlflow.sentence_transformers.load_model(f"models:/{model_id}")
         np.testing.assert_allclose(_st_encode(loaded), _st_encode(folder), atol=1e-5)
     assert _st_encode(mlflow.sentence_transformers.load_model(f"models:/{realm_id}")).shape == (2, 16)  # the projection
+    # the transformers flavor stores the card log_model hands it (flows/_stage.model_card), not one from the hub
+    card = mlflow.artifacts.download_artifacts(f"{client.get_logged_model(mlm_id).artifact_location}/model_card.md")
+    assert open(card).read().startswith("# retromae-encoder\n\nLogged by retro-realm's `finetune` stage")
     parts = mlflow.transformers.load_model(f"models:/{mlm_id}", return_type="components")
     assert type(parts["model"]).__name__.endswith("ForMaskedLM")  # the fill-mask model, head included
     t = folders["tok"](TEXTS, padding=True, return_tensors="pt", return_token_type_ids=False)
