@@ -13,14 +13,10 @@ were 28-32% of a REALM or DPR training step (bench/bench_dropout.py, bench/READM
 quarter of the generator calls. p is rounded to a multiple of 1/65536 (0.1 -> 0.100006) and the
 kept elements are scaled by the exact inverse of the realised keep rate, so E[y] = x still holds.
 
-With dropout on, SDPA takes its math path on a CPU (its fused kernel has no dropout), which writes
-every (L, L) score, probability and gradient matrix. `attention` keeps the fused kernel instead
-(`FusedDropoutAttention`): the kept probabilities are a softmax over the kept keys scaled by the
-share of the row's mass they hold, and that share is exp(lse_kept - lse_all), the two log-sum-exps
-the kernel returns. The gradient through that share is one more fused backward (derivation in the
-class). Same maths as the math path, with the same mask, up to float rounding; calls SDPA when
-dropout is off, so evaluation and dropout-free training are untouched. On CUDA torch's fused
-Philox dropout is already cheap: `compute.dropout_masks: auto` uses these masks on a CPU only.
+With dropout on, SDPA takes its math path on a CPU (its fused kernel has no dropout); `attention`
+computes that path itself so that its mask comes from here, and calls SDPA otherwise, so
+evaluation and dropout-free training are untouched. On CUDA torch's fused Philox dropout is
+already cheap: `compute.dropout_masks: auto` uses these masks on a CPU only.
 
 Shapes: B batch, nh heads, Lq / Lk query / key length, hd head size.
 """
@@ -93,71 +89,16 @@ class FastDropout(nn.Dropout):
         return dropout(x, self.p, self.training)
 
 
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-
-
-class FusedDropoutAttention(torch.autograd.Function):
-    """softmax(S + pad) * keep / q_keep @ v on the CPU's fused attention kernel, S = scale q k^T.
-
-    Forward: with A = softmax over the kept keys (pad + -inf where dropped) and P = softmax over all,
-    P * keep = c A with c = exp(lse_kept - lse_all) per query row, so out = (c / q_keep) (A v): two
-    fused forwards, one for A v and lse_kept, one for lse_all.
-
-    Backward, with g the output's gradient and delta = rowsum(g * out): the true score gradient is
-    dS = (c / q_keep) A * (g v^T) - P delta. The kept-key backward with grad (c / q_keep) g and
-    `out` given as 0 (so its internal rowsum term vanishes) yields the first term and dv; the
-    all-key backward with v = 0, grad delta e_0 and `out` e_0 (its rowsum term is then delta)
-    yields the second. The one (L, L) matrix kept for backward is the kept-key mask, in place of the
-    math path's probabilities."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, pad, keep, q_keep: float, scale: float):  # q (B, nh, Lq, hd); pad (B|1, 1|nh, Lq|1, Lk) additive
-        kept = torch.where(keep, pad, float("-inf"))  # (B, nh, Lq, Lk)
-        out_kept, lse_kept = _FLASH(q, k, v, attn_mask=kept, scale=scale)  # (B, nh, Lq, hd), (B, nh, Lq)
-        _, lse_all = _FLASH(q, k, v, attn_mask=pad, scale=scale)
-        # a row whose kept keys are all masked has out 0 and lse 0 from the kernel: its c is finite
-        share = torch.exp(lse_kept - lse_all).div_(q_keep).unsqueeze(-1)  # (B, nh, Lq, 1)
-        out = out_kept * share.to(out_kept.dtype)
-        ctx.save_for_backward(q, k, v, pad, kept, lse_kept, lse_all, share, out)  # kept: the math path's probs' size
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, pad, kept, lse_kept, lse_all, share, out = ctx.saved_tensors
-        grad = grad.contiguous()
-        dq, dk, dv = _FLASH_BACKWARD(grad * share.to(grad.dtype), q, k, v, torch.zeros_like(out), lse_kept, 0.0, False,
-                                     attn_mask=kept, scale=ctx.scale)
-        delta = (grad * out).sum(-1)  # (B, nh, Lq)
-        e0 = torch.zeros_like(out)
-        e0[..., 0] = 1.0
-        dq_all, dk_all, _ = _FLASH_BACKWARD(e0 * delta.unsqueeze(-1), q, k, torch.zeros_like(v), e0, lse_all, 0.0, False,
-                                            attn_mask=pad, scale=ctx.scale)
-        return dq + dq_all, dk + dk_all, dv, None, None, None, None
-
-
-def _additive(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """attn_mask (None, bool True = may attend, or additive) as an additive mask in q's dtype, 4-D."""
-    if attn_mask is None:
-        return q.new_zeros(1, 1, 1, k.size(-2))
-    if attn_mask.dtype == torch.bool:
-        pad = q.new_zeros(attn_mask.shape).masked_fill_(~attn_mask, float("-inf"))
-    else:
-        pad = attn_mask.to(q.dtype)
-    return pad.view((1,) * (4 - pad.dim()) + tuple(pad.shape))
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, scale: float | None = None, fast: bool = False) -> torch.Tensor:
     """`F.scaled_dot_product_attention` (no causal flag): q (B, nh, Lq, hd), k / v (B, nh, Lk, hd),
     attn_mask None, bool (True: may attend) or additive, broadcastable to (B, nh, Lq, Lk).
 
-    fast and dropout_p > 0: the probabilities' dropout with the mask from `keep_mask`, computed in fp32
-    as SDPA's CPU math path computes it (the inputs in autocast's dtype when autocast is on, then
-    everything in fp32, the output in the inputs' dtype); a query row that may attend to nothing gets
-    a zero output. On a CPU through the fused kernel (`FusedDropoutAttention`), elsewhere through the
-    math path written out (`math_attention`)."""
+    fast and dropout_p > 0: SDPA's CPU math path written out (scores, softmax, dropout, weighted
+    sum), with the probabilities' mask from `dropout`. It computes what that path computes: the
+    inputs in autocast's dtype when autocast is on, then on a CPU everything in fp32 (no rounding of
+    scores or probabilities to bf16), the output in the inputs' dtype; a query row that may attend
+    to nothing gets a zero output."""
     if not (fast and dropout_p > 0.0):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
     device = q.device.type
@@ -165,33 +106,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out_dtype = v.dtype
-    scale = q.size(-1) ** -0.5 if scale is None else scale
     with torch.autocast(device, enabled=False):
         if device == "cpu" and out_dtype in (torch.bfloat16, torch.float16):
             q, k, v = q.float(), k.float(), v.float()
-        if device != "cpu" or _FLASH is None or _FLASH_BACKWARD is None:
-            return math_attention(q, k, v, attn_mask, dropout_p, scale).to(out_dtype)
-        keep = keep_mask(q.shape[:-1] + (k.size(-2),), dropout_p, q.device)  # (B, nh, Lq, Lk)
-        return FusedDropoutAttention.apply(q, k, v, _additive(attn_mask, q, k), keep, keep_threshold(dropout_p)[1],
-                                           scale).to(out_dtype)
-
-
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
-                   scale: float) -> torch.Tensor:
-    """SDPA's math path written out (scores, softmax, dropout, weighted sum) with `dropout`'s mask:
-    the reference of `FusedDropoutAttention`, and the path off a CPU."""
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, nh, Lq, Lk)
-    empty_rows = None
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-        empty_rows = ~attn_mask.any(-1, keepdim=True)  # (.., Lq, 1): softmax over nothing
-    elif attn_mask is not None:
-        scores = scores + attn_mask.to(scores.dtype)
-    probs = torch.softmax(scores, dim=-1)
-    if empty_rows is not None and bool(empty_rows.any()):
-        probs = probs.masked_fill(empty_rows, 0.0)
-    probs = dropout(probs, dropout_p, True)
-    return torch.matmul(probs, v)  # (B, nh, Lq, hd)
+        scale = q.size(-1) ** -0.5 if scale is None else scale
+        scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, nh, Lq, Lk)
+        empty_rows = None
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+            empty_rows = ~attn_mask.any(-1, keepdim=True)  # (.., Lq, 1): softmax over nothing
+        elif attn_mask is not None:
+            scores = scores + attn_mask.to(scores.dtype)
+        probs = torch.softmax(scores, dim=-1)
+        if empty_rows is not None and bool(empty_rows.any()):
+            probs = probs.masked_fill(empty_rows, 0.0)
+        probs = dropout(probs, dropout_p, True)
+        return torch.matmul(probs, v).to(out_dtype)  # (B, nh, Lq, hd)
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
