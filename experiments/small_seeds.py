@@ -16,8 +16,9 @@ compute.seed=<N> --set evaluate.split=<split>` and any `--set` given here (the p
 written into the clone's params.yaml, so its dvc.lock records them). `--name` files a variant's
 archives and tables apart from the preset's own (default: the preset's name).
 The corpus split (`data.split.seed`) stays fixed, so every seed answers the same questions.
-`--upto STAGE` runs that stage and what it needs (`flows.pipeline --upto`), then the evaluate stage's
-own command outside DVC, which scores the models that exist (a curve line without the rest of the DAG).
+`--upto STAGE [STAGE ...]` runs those stages and what they need (`flows.pipeline --upto`, once per stage,
+in order), then the evaluate stage's own command outside DVC, which scores the models that exist (a curve
+line without the rest of the DAG; `--upto pretrain_retromae pretrain_mlm`: the zero-shot rows alone).
 
 `--merge BASE EXTRA` makes one seed's archive from two runs of it: BASE (an archive) plus the systems
 of EXTRA that match a `--take` glob. It refuses unless both ran the same seed on the same split and
@@ -82,21 +83,22 @@ def _row_key(name: str) -> tuple:
 
 
 def run_seed(seed: int, split: str, workdir: Path, preset: str = "small", overrides: tuple[str, ...] = (),
-             upto: str | None = None) -> Path:
+             upto: tuple[str, ...] = ()) -> Path:
     """Clone HEAD into workdir/seed<N> and run the preset there (`default`: params.yaml as it is) with
-    the `KEY=VALUE` overrides (`upto`: that stage and what it needs, then evaluate what exists); returns
-    the clone."""
+    the `KEY=VALUE` overrides (`upto`: each of these stages and what it needs, one pipeline run per stage
+    in order, then evaluate what exists); returns the clone."""
     dest = workdir / f"seed{seed}"
     if (dest / "metrics/eval.json").exists():
         print(f"seed {seed}: {dest} already has metrics/eval.json; collecting it", flush=True)
         return dest
     fresh_clone(dest)
     cmd = [".venv/bin/python", "-m", "flows.pipeline", *([] if preset == "default" else ["--preset", preset]),
-           "--set", f"compute.seed={seed}", "--set", f"evaluate.split={split}", *(a for o in overrides for a in ("--set", o)),
-           *(["--upto", upto] if upto else [])]
+           "--set", f"compute.seed={seed}", "--set", f"evaluate.split={split}", *(a for o in overrides for a in ("--set", o))]
     t0 = time.time()
     with open(dest / "pipeline.log", "w") as log:
-        subprocess.run(cmd, cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True)
+        for stage in upto or [None]:  # a later run reuses what an earlier one built (DVC's cache)
+            subprocess.run([*cmd, *(["--upto", stage] if stage else [])], cwd=dest, stdout=log, stderr=subprocess.STDOUT,
+                           check=True)
         if upto:  # evaluate's own command, outside DVC (whose evaluate needs every model): rows for what exists
             subprocess.run(["scripts/py", "-m", "flows.evaluate"], cwd=dest, stdout=log, stderr=subprocess.STDOUT, check=True)
     write_text_atomic(dest / "wall_seconds.txt", f"{time.time() - t0:.0f}\n")
@@ -423,7 +425,8 @@ def main() -> None:
     ap.add_argument("--name", help="the results' name: experiments/results/<name>_seeds[.json] (default: the preset)")
     ap.add_argument("--workdir", type=Path, help="where the clones go (default: /tmp/<name>_seeds)")
     ap.add_argument("--collect", type=Path, nargs="*", help="archives (seed<N>.json.gz) or finished workspaces: only build the tables")
-    ap.add_argument("--upto", help="run only this stage and what it needs (flows.pipeline --upto), then evaluate what exists")
+    ap.add_argument("--upto", nargs="+", default=[], metavar="STAGE",
+                    help="run only these stages and what they need (flows.pipeline --upto, once per stage), then evaluate what exists")
     ap.add_argument("--merge", type=Path, nargs=2, action="append", metavar=("BASE", "EXTRA"),
                     help="one seed's archive from two runs: BASE plus EXTRA's --take systems (repeatable, one per seed)")
     ap.add_argument("--take", nargs="+", default=["ft:realm*"], help="the systems --merge adds (globs)")
@@ -440,7 +443,7 @@ def main() -> None:
     if args.merge:
         sources = merge_archives([tuple(p) for p in args.merge], args.take, name)
     else:
-        sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset, tuple(args.overrides), args.upto), s, name)
+        sources = args.collect or [archive(run_seed(s, args.split, workdir, args.preset, tuple(args.overrides), tuple(args.upto)), s, name)
                                    for s in args.seeds]
     records = [load_seed(src) for src in sources]  # once: a workspace's stage times come from its MLflow store
     res = collect(records)
