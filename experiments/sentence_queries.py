@@ -49,12 +49,11 @@ def read_paragraphs(src: Path, text_field: str, id_field: str | None, title_fiel
                 continue
             try:
                 r = json.loads(line)
-                text = r[text_field]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                rows.append({"_id": str(r[id_field]) if id_field else f"p{i}", "text": r[text_field],
+                             "title": str(r.get(title_field, "")) if title_field else ""})
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise SystemExit(f"{src}:{i}: {type(e).__name__}: {e} -- each line must be a JSON object with a "
-                                 f"{text_field!r} field (--text-field)") from None
-            rows.append({"_id": str(r[id_field]) if id_field else f"p{i}", "title": str(r.get(title_field, "")) if title_field else "",
-                         "text": text})
+                                 f"{text_field!r} field (--text-field) and, unless --id-field '', a {id_field!r} field") from None
     return rows
 
 

@@ -271,8 +271,8 @@ def _warm_start_card(params: Params):
 
 
 def model_card(run: StageRun, path: Path, name: str, task: str | None):
-    """The model card MLflow's transformers flavor stores with a logged model (README.md and its YAML
-    card data): the stage's own model_card.md (in the folder or beside it) under metadata that names
+    """The model card MLflow's transformers flavor stores with a logged model (its model_card.md and
+    model_card_data.yaml): the stage's own model_card.md (in the folder or beside it) under metadata that names
     the warm start as the base model and carries its declared licence. Without a card MLflow asks the
     HF hub for one under the folder's path and warns twice per model."""
     from huggingface_hub import ModelCard, ModelCardData

@@ -11,7 +11,7 @@ from flows._stage import model_card
 from tests.conftest import tiny_params
 
 
-def _stage_run(tmp_path, warm: str | None):
+def _stage_run(warm: str | None):
     return SimpleNamespace(params=tiny_params(**{"warm_start.path": warm}), stage="pretrain_retromae")
 
 
@@ -29,7 +29,7 @@ def test_the_card_is_the_stages_own_with_the_warm_starts_licence(tmp_path):
     model = tmp_path / "models" / "retromae" / "encoder"
     model.mkdir(parents=True)
     (model.parent / "model_card.md").write_text("# pretrain_retromae encoder\n\nTrained by retro-realm.\n")
-    card = model_card(_stage_run(tmp_path, str(warm)), model, "retromae-encoder", "fill-mask")
+    card = model_card(_stage_run(str(warm)), model, "retromae-encoder", "fill-mask")
     assert card.data.license == "apache-2.0" and card.data.base_model == str(warm)
     assert card.data.pipeline_tag == "fill-mask" and card.data.tags == ["retro-realm", "pretrain_retromae"]
     assert card.text.startswith("# pretrain_retromae encoder\n\nTrained by retro-realm.\n")
@@ -40,7 +40,7 @@ def test_without_a_declared_licence_the_card_claims_none(tmp_path):
     model = tmp_path / "encoder"
     model.mkdir()
     for warm in (None, str(_warm_folder(tmp_path, None))):  # trained from scratch; a warm start without a card
-        card = model_card(_stage_run(tmp_path, warm), model, "init-encoder", "fill-mask")
+        card = model_card(_stage_run(warm), model, "init-encoder", "fill-mask")
         assert card.data.license is None and card.data.base_model == warm
         assert card.text.startswith("# init-encoder\n\nLogged by retro-realm's `pretrain_retromae` stage")
         assert "None declared." in card.text
