@@ -67,6 +67,7 @@ class Model:
     name: str
     flavor: str = "transformers"
     task: str | None = None
+    card: Callable | None = None  # transformers: (run, path, name, task) -> the ModelCard MLflow stores (flows/_model_card.py)
 
 
 def numbers(summary: dict) -> dict[str, float]:
@@ -183,7 +184,7 @@ def run_stage(stage: str, sections: list[str], body: Callable[[Params, StageRun]
         run.log_metrics_now(logged, step=step(result) if step is not None else 0)
         wanted = models(params) if callable(models) else models
         if wanted:
-            ids = log_models(run, [(m.path, m.name, m.flavor, m.task) for m in wanted])
+            ids = log_models(run, [(m.path, m.name, m.flavor, m.task, m.card) for m in wanted])
             if on_models is not None:
                 on_models(run, ids)
         if log_more is not None:
@@ -247,52 +248,11 @@ def _log_reader(run: StageRun, path: Path, name: str, tags: dict[str, str]):
                          run_id=run.run_id, tags=tags, pip_requirements=_requirements("python_function"))
 
 
-def _warm_start_card(params: Params):
-    """The warm start's own model card (README.md of its folder, or of a hub model already in the
-    local HF cache; never a download), or None."""
-    from huggingface_hub import ModelCard, try_to_load_from_cache
-
-    from components.models.encoder import warm_start_path
-
-    try:
-        spec = warm_start_path(params)
-    except ValueError:
-        return None
-    if spec is None:
-        return None
-    readme: Path | None = Path(spec) / "README.md"
-    try:
-        if not Path(spec).exists():  # a hub name: its README only if already in the local HF cache
-            cached = try_to_load_from_cache(spec, "README.md")
-            readme = Path(cached) if isinstance(cached, str) else None
-        return ModelCard.load(str(readme)) if readme is not None and readme.is_file() else None
-    except Exception:  # noqa: BLE001 - no card, or one that does not parse: no licence to pass on
-        return None
-
-
-def model_card(run: StageRun, path: Path, name: str, task: str | None):
-    """The model card MLflow's transformers flavor stores with a logged model (its model_card.md and
-    model_card_data.yaml): the stage's own model_card.md (in the folder or beside it) under metadata that names
-    the warm start as the base model and carries its declared licence. Without a card MLflow asks the
-    HF hub for one under the folder's path and warns twice per model."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    base = _warm_start_card(run.params)
-    license_ = getattr(base.data, "license", None) if base is not None else None
-    data = run.params.data
-    corpus = f"`data.source: {data.source}`" + (f", `data.path: {data.path}`" if data.path else "")
-    body = next((f.read_text() for f in (path / "model_card.md", path.parent / "model_card.md") if f.is_file()),
-                f"# {name}\n\nLogged by retro-realm's `{run.stage}` stage from `{path}`.\n")
-    body += ("\n## Licence\n\n" + (f"`{license_}`, as the warm start's model card declares it (`warm_start.path`: "
-                                       f"`{run.params.warm_start.path}`). " if license_ else "None declared. ")
-             + f"The training corpus's licence applies too ({corpus}; the shipped SQuAD slice's is CC BY-SA 4.0).\n")
-    meta = ModelCardData(license=license_, base_model=run.params.warm_start.path, library_name="transformers",
-                         pipeline_tag=task, tags=["retro-realm", run.stage])
-    return ModelCard(f"---\n{meta.to_yaml()}\n---\n{body}")
-
-
-def log_model(run: StageRun, path: str | os.PathLike, name: str, flavor: str, task: str | None = None) -> str:
-    """Log the folder `path` as the logged model `name` of `run`; returns its model id."""
+def log_model(run: StageRun, path: str | os.PathLike, name: str, flavor: str, task: str | None = None,
+              card: Callable | None = None) -> str:
+    """Log the folder `path` as the logged model `name` of `run`; returns its model id. `card` (the
+    transformers flavor): makes the model card MLflow stores, which it would otherwise look up on the HF
+    hub under the folder's path, warning twice when that fails."""
     import mlflow
     from mlflow.models import Model
 
@@ -317,21 +277,21 @@ def log_model(run: StageRun, path: str | os.PathLike, name: str, flavor: str, ta
         # a pipeline, not the folder: MLflow 3.17 reads a folder's task through an API transformers 5 changed
         pipe = transformers.pipeline(task, model=str(path), tokenizer=str(path), device="cpu")
         info = Model.log(None, name=name, flavor=mlflow.transformers, transformers_model=pipe, task=task,
-                         model_card=model_card(run, Path(path), name, task), run_id=run.run_id, tags=tags,
+                         model_card=card(run, Path(path), name, task) if card else None, run_id=run.run_id, tags=tags,
                          pip_requirements=_requirements(flavor))
     log.info("logged model %s (%s) from %s in %.1fs: %s", name, flavor, path, time.perf_counter() - t0, info.model_uri)
     return info.model_id
 
 
-def log_models(run: StageRun, models: list[tuple[str | os.PathLike, str, str, str | None]]) -> dict[str, str]:
+def log_models(run: StageRun, models: list[tuple[str | os.PathLike, str, str, str | None, Callable | None]]) -> dict[str, str]:
     """`log_model` for each (path, name, flavor, task) whose folder exists; {name: model id}. A model
     that cannot be logged is a warning, never a failed stage: its folder is still an artifact."""
     ids = {}
-    for path, name, flavor, task in models:
+    for path, name, flavor, task, card in models:
         if not Path(path).is_dir():
             continue
         try:
-            ids[name] = log_model(run, path, name, flavor, task)
+            ids[name] = log_model(run, path, name, flavor, task, card)
         except Exception as e:  # noqa: BLE001 - a model MLflow cannot save: its folder is an artifact anyway
             log.warning("could not log %s (%s) as an MLflow model: %s: %s", name, flavor, type(e).__name__, str(e)[:300])
     return ids

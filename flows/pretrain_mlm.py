@@ -16,6 +16,7 @@ from components.stages.pretrain_retromae import train_encoder
 from flows._runtime import params_from_env
 from flows._torchrun import run_training
 from flows import run_main
+from flows._model_card import model_card
 from flows._stage import Artifact, Dataset, Model, run_stage
 
 STAGE = "pretrain_mlm"
@@ -37,7 +38,7 @@ def pretrain_mlm_flow() -> dict:
         return {"enabled": False}
     return run_stage(STAGE, ["retromae", "mlm", "warm_start"], train, params=params, inputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks")],
                      artifacts=[Artifact(MLM_OUT / "encoder", "encoder"), Artifact(stage_metrics(STAGE))],
-                     models=[Model(MLM_ENCODER, "mlm-encoder", task="fill-mask")])
+                     models=[Model(MLM_ENCODER, "mlm-encoder", task="fill-mask", card=model_card)])
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from components.stages.common import ENV_STAGE_ITEM
 from components.stages.pretrain_realm import arm_files, train_realm
 from flows import run_main
 from flows._torchrun import run_training
+from flows._model_card import model_card
 from flows._stage import Artifact, Dataset, Model, run_stage
 
 STAGE = "pretrain_realm"
@@ -66,7 +67,8 @@ def pretrain_realm_flow(arm: str = "refreshed") -> dict:
                      inputs=[Dataset(TOKENS / "blocks", "retrieval_blocks"),
                              Dataset(RETROMAE_ENCODER, "retromae_encoder", optional=True)],
                      models=[Model(out / "retriever", f"{name}-retriever", "sentence_transformers"),
-                             Model(out / "knowledge_augmented_encoder", f"{name}-knowledge-augmented-encoder", task="fill-mask")],
+                             Model(out / "knowledge_augmented_encoder", f"{name}-knowledge-augmented-encoder", task="fill-mask",
+                                   card=model_card)],
                      artifacts=[*(Artifact(out / sub, sub) for sub in ("retriever", "knowledge_augmented_encoder")),
                                 Artifact(out / "index" / "final", "index_final"), Artifact(out / "model_card.md"),
                                 Artifact(plot), Artifact(summary_file)])

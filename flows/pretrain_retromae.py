@@ -12,6 +12,7 @@ from components.paths import INIT_ENCODER, RETROMAE_ENCODER, RETROMAE_OUT, TOKEN
 from components.stages.pretrain_retromae import train_encoder
 from flows._torchrun import run_training
 from flows import run_main
+from flows._model_card import model_card
 from flows._stage import Artifact, Dataset, Model, run_stage
 
 STAGE = "pretrain_retromae"
@@ -28,8 +29,8 @@ def pretrain_retromae_flow() -> dict:
     return run_stage(STAGE, ["retromae", "warm_start"], train, inputs=[Dataset(TOKENS / "pretrain", "pretrain_blocks")],
                      artifacts=[Artifact(RETROMAE_OUT / "encoder", "encoder"),  # HF format (safetensors)
                                 Artifact(RETROMAE_OUT / "model_card.md"), Artifact(stage_metrics(STAGE))],
-                     models=[Model(RETROMAE_ENCODER, "retromae-encoder", task="fill-mask"),
-                             Model(INIT_ENCODER, "init-encoder", task="fill-mask")])
+                     models=[Model(RETROMAE_ENCODER, "retromae-encoder", task="fill-mask", card=model_card),
+                             Model(INIT_ENCODER, "init-encoder", task="fill-mask", card=model_card)])
 
 
 if __name__ == "__main__":

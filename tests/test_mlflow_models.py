@@ -29,6 +29,7 @@ from components.models.encoder import cls_pool, load_encoder
 from components.models.reader import OpenQA, SpanReader
 from components.models.retriever import Retriever
 from components.tracking import ENV_PARENT, StageRun, open_parent_run
+from flows._model_card import model_card
 from flows._stage import attach_metrics, log_model, pipeline_models, register
 from tests.conftest import build_data_and_encoders, tiny_params
 
@@ -74,7 +75,7 @@ def test_logged_models_have_flavors_load_back_and_are_outputs_of_their_run(folde
     with StageRun("finetune", server_params, ["finetune"]) as run:
         ft_id = log_model(run, folders["ft"], "ft-retromae-retriever", "sentence_transformers")
         realm_id = log_model(run, folders["realm"], "realm-retriever", "sentence_transformers")
-        mlm_id = log_model(run, folders["encoder"], "retromae-encoder", "transformers", task="fill-mask")
+        mlm_id = log_model(run, folders["encoder"], "retromae-encoder", "transformers", task="fill-mask", card=model_card)
     client = run.client
     exp = client.get_experiment_by_name(server_params.tracking.experiment)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
@@ -90,7 +91,7 @@ def test_logged_models_have_flavors_load_back_and_are_outputs_of_their_run(folde
         loaded = mlflow.sentence_transformers.load_model(f"models:/{model_id}")
         np.testing.assert_allclose(_st_encode(loaded), _st_encode(folder), atol=1e-5)
     assert _st_encode(mlflow.sentence_transformers.load_model(f"models:/{realm_id}")).shape == (2, 16)  # the projection
-    # the transformers flavor stores the card log_model hands it (flows/_stage.model_card), not one from the hub
+    # the transformers flavor stores the card log_model hands it (flows/_model_card.py), not one from the hub
     card = mlflow.artifacts.download_artifacts(f"{client.get_logged_model(mlm_id).artifact_location}/model_card.md")
     assert open(card).read().startswith("# retromae-encoder\n\nLogged by retro-realm's `finetune` stage")
     parts = mlflow.transformers.load_model(f"models:/{mlm_id}", return_type="components")

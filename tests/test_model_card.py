@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from flows._stage import model_card
+from flows._model_card import model_card
 from tests.conftest import tiny_params
 
 

@@ -1,0 +1,55 @@
+"""The model card an MLM encoder carries when it is logged as an MLflow transformers model
+(`Model(..., card=model_card)` in the flows that log one): the stage's own model_card.md under card data
+that names the warm start as the base model with the licence its card declares. Apart from flows/_stage.py,
+so that only those flows import the warm start's resolution (components/models/encoder.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from components.config import Params
+from components.tracking import StageRun
+
+
+def _warm_start_card(params: Params):
+    """The warm start's own model card (README.md of its folder, or of a hub model already in the
+    local HF cache; never a download), or None."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+
+    from components.models.encoder import warm_start_path
+
+    try:
+        spec = warm_start_path(params)
+    except ValueError:
+        return None
+    if spec is None:
+        return None
+    readme: Path | None = Path(spec) / "README.md"
+    try:
+        if not Path(spec).exists():  # a hub name: its README only if already in the local HF cache
+            cached = try_to_load_from_cache(spec, "README.md")
+            readme = Path(cached) if isinstance(cached, str) else None
+        return ModelCard.load(str(readme)) if readme is not None and readme.is_file() else None
+    except Exception:  # noqa: BLE001 - no card, or one that does not parse: no licence to pass on
+        return None
+
+
+def model_card(run: StageRun, path: Path, name: str, task: str | None):
+    """The model card MLflow's transformers flavor stores with a logged model (its model_card.md and
+    model_card_data.yaml): the stage's own model_card.md (in the folder or beside it) under metadata that names
+    the warm start as the base model and carries its declared licence. Without a card MLflow asks the
+    HF hub for one under the folder's path and warns twice per model."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    base = _warm_start_card(run.params)
+    license_ = getattr(base.data, "license", None) if base is not None else None
+    data = run.params.data
+    corpus = f"`data.source: {data.source}`" + (f", `data.path: {data.path}`" if data.path else "")
+    body = next((f.read_text() for f in (path / "model_card.md", path.parent / "model_card.md") if f.is_file()),
+                f"# {name}\n\nLogged by retro-realm's `{run.stage}` stage from `{path}`.\n")
+    body += ("\n## Licence\n\n" + (f"`{license_}`, as the warm start's model card declares it (`warm_start.path`: "
+                                       f"`{run.params.warm_start.path}`). " if license_ else "None declared. ")
+             + f"The training corpus's licence applies too ({corpus}; the shipped SQuAD slice's is CC BY-SA 4.0).\n")
+    meta = ModelCardData(license=license_, base_model=run.params.warm_start.path, library_name="transformers",
+                         pipeline_tag=task, tags=["retro-realm", run.stage])
+    return ModelCard(f"---\n{meta.to_yaml()}\n---\n{body}")
