@@ -8,8 +8,9 @@ SQuAD slice, to check that their settings carry over.
     .venv/bin/python -m experiments.small_seeds --preset default --name prose_dev --seeds 1 2 --split dev \
         --workdir /tmp/prose --set data.path=/tmp/prose-beir
 
-The source is JSON lines (gzip read too), one paragraph per line, its text in `--text-field`, its id in
-`--id-field` (default: the line number) and, if given, a title in `--title-field`. Only paragraphs of
+The source is JSON lines (gzip read too), one paragraph per line, read as `data.source: jsonl` reads it:
+its text in `--text-field`, its id in `--id-field` (without one: `<file stem>-<line>`) and, if given, a
+title in `--title-field`. Only paragraphs of
 at least `--min-sentences` sentences, each of at least `--min-words` words, are drawn, so that a query is
 a whole sentence and its passage keeps some context. Sentences are cut by a rule (., ! or ? then
 whitespace and a capital, digit or opening quote), not by a parser. Writes corpus.jsonl.gz,
@@ -31,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from components.data.errors import DataError  # noqa: E402
+from components.data.line_readers import read_jsonl  # noqa: E402
 from components.io import write_bytes_atomic  # noqa: E402
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(\[])")
@@ -41,20 +44,13 @@ def sentences(text: str) -> list[str]:
 
 
 def read_paragraphs(src: Path, text_field: str, id_field: str | None, title_field: str | None) -> list[dict]:
-    opener = gzip.open if src.suffix == ".gz" else open
-    rows = []
-    with opener(src, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                rows.append({"_id": str(r[id_field]) if id_field else f"p{i}", "text": r[text_field],
-                             "title": str(r.get(title_field, "")) if title_field else ""})
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                raise SystemExit(f"{src}:{i}: {type(e).__name__}: {e} -- each line must be a JSON object with a "
-                                 f"{text_field!r} field (--text-field) and, unless --id-field '', a {id_field!r} field") from None
-    return rows
+    """The paragraphs as `data.source: jsonl` reads them (`read_jsonl`: gzip, ids, duplicate ids refused),
+    as {_id, title, text}; a bad line stops with its file and line, and the flag to set."""
+    try:
+        passages, _ = read_jsonl(src, text_field=text_field, title_field=title_field, id_field=id_field)
+    except DataError as e:
+        raise SystemExit(f"{e} (here: --text-field, --id-field, --title-field)") from None
+    return [{"_id": p["doc_id"], "title": p["title"], "text": p["text"]} for p in passages]
 
 
 def build(paragraphs: list[dict], n: int, seed: int, min_sentences: int = 3, min_words: int = 5) -> tuple[list, list, list]:
@@ -90,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     ap.add_argument("--max", type=int, default=900, help="paragraphs drawn (each gives one query)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text-field", default="text")
-    ap.add_argument("--id-field", default="id", help="'' for line numbers")
+    ap.add_argument("--id-field", default="id", help="'' for <file stem>-<line> ids")
     ap.add_argument("--title-field", default=None)
     ap.add_argument("--min-sentences", type=int, default=3)
     ap.add_argument("--min-words", type=int, default=5)

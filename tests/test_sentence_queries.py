@@ -58,5 +58,5 @@ def test_the_draw_follows_the_seed():
 def test_a_line_without_the_text_field_names_the_file_and_line(tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text(json.dumps(PARAGRAPHS[0]) + "\n" + json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(SystemExit, match=r"bad.jsonl:2: KeyError.*--text-field"):
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: missing field 'text'.*--text-field"):
         main(["--src", str(src), "--out", str(tmp_path / "o")])
