@@ -184,7 +184,7 @@ def run_stage(stage: str, sections: list[str], body: Callable[[Params, StageRun]
         run.log_metrics_now(logged, step=step(result) if step is not None else 0)
         wanted = models(params) if callable(models) else models
         if wanted:
-            ids = log_models(run, [(m.path, m.name, m.flavor, m.task, m.card) for m in wanted])
+            ids = log_models(run, wanted)
             if on_models is not None:
                 on_models(run, ids)
         if log_more is not None:
@@ -283,17 +283,17 @@ def log_model(run: StageRun, path: str | os.PathLike, name: str, flavor: str, ta
     return info.model_id
 
 
-def log_models(run: StageRun, models: list[tuple[str | os.PathLike, str, str, str | None, Callable | None]]) -> dict[str, str]:
-    """`log_model` for each (path, name, flavor, task) whose folder exists; {name: model id}. A model
-    that cannot be logged is a warning, never a failed stage: its folder is still an artifact."""
+def log_models(run: StageRun, models: Sequence[Model]) -> dict[str, str]:
+    """`log_model` for each `Model` whose folder exists; {name: model id}. A model that cannot be
+    logged is a warning, never a failed stage: its folder is still an artifact."""
     ids = {}
-    for path, name, flavor, task, card in models:
-        if not Path(path).is_dir():
+    for m in models:
+        if not Path(m.path).is_dir():
             continue
         try:
-            ids[name] = log_model(run, path, name, flavor, task, card)
+            ids[m.name] = log_model(run, m.path, m.name, m.flavor, m.task, m.card)
         except Exception as e:  # noqa: BLE001 - a model MLflow cannot save: its folder is an artifact anyway
-            log.warning("could not log %s (%s) as an MLflow model: %s: %s", name, flavor, type(e).__name__, str(e)[:300])
+            log.warning("could not log %s (%s) as an MLflow model: %s: %s", m.name, m.flavor, type(e).__name__, str(e)[:300])
     return ids
 
 
