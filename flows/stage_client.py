@@ -53,11 +53,15 @@ def main(argv: list[str]) -> None:
         run_cold(argv, "not ready yet" if not os.path.exists(path) else f"cannot connect to {path} ({e.strerror or e})")
     ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) is signal.SIG_IGN]  # nohup, `cmd &`
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "ignored_signals": ignored}).encode()
+    # The stage starts (and may print) before its pid reaches us: a signal sent in between stays pending
+    # until `forward` is installed, instead of killing this client and leaving the stage to the server.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     socket.send_fds(sock, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
     buf = bytearray()
     reply = _read_line(sock, buf)
     if reply is None or "refused" in reply:
         sock.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending signal ends us here, as it would a cold run
         run_cold(argv, reply["refused"] if reply else "the server closed the connection")
     pid = reply["pid"]
 
@@ -70,6 +74,7 @@ def main(argv: list[str]) -> None:
     for sig in FORWARDED:
         if int(sig) not in ignored:
             signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # delivers, and so forwards, what arrived meanwhile
     done = _read_line(sock, buf)
     if done is None:  # the server died under a running stage: do not leave the stage running unowned
         forward(signal.SIGTERM, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -258,3 +259,33 @@ def test_the_pipeline_starts_its_stage_server_and_tracking_store_while_the_prefe
     fp.main(["--only", "tokenize", "--set", "tracking.uri=http://127.0.0.1:5000"])
     assert events == ["api starting", "api ready", ("flow", False)]
     assert "RR_PREFECT_FLOW_RUN_ID" in RUNTIME_ENV
+
+
+def test_a_signal_before_the_stages_pid_arrives_is_forwarded_not_fatal(tmp_path):
+    """The stage may print before the server's reply with its pid reaches the client: a SIGTERM in that
+    window must wait for the forwarding handler instead of killing the client (a stand-in server holds
+    the reply back until the signal was sent, so the window is hit every time)."""
+    sock_path = tmp_path / "s.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_path))
+    listener.listen(1)
+    stage = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    client = _client(tmp_path, sock_path, "--sleep")
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            _, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)  # the request: the client has blocked its signals
+            for fd in fds:
+                os.close(fd)
+            client.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            assert client.poll() is None, "the signal killed the client before it knew the stage's pid"
+            conn.sendall(json.dumps({"pid": stage.pid}).encode() + b"\n")
+            assert stage.wait(timeout=30) == -signal.SIGTERM
+            conn.sendall(json.dumps({"exit": 128 + signal.SIGTERM}).encode() + b"\n")
+            assert client.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        for p in (stage, client):
+            p.kill()
+            p.wait()
+        listener.close()
