@@ -1,4 +1,4 @@
-"""Length bucketing in the open-QA reader (issue 27): `OpenQA` reading a batch's B*K `[CLS] x [SEP] z [SEP]`
+r"""Length bucketing in the open-QA reader (issue 27): `OpenQA` reading a batch's B*K `[CLS] x [SEP] z [SEP]`
 rows in one forward at the batch's width (`finetune.reader_chunk_rows: 0`, the reference) against
 length-sorted chunks of a few rows, each at its own width. Interleaved rounds, medians.
 

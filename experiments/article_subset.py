@@ -1,4 +1,4 @@
-"""A BEIR folder cut to some of its articles: a corpus the presets were not tuned on, to check that
+r"""A BEIR folder cut to some of its articles: a corpus the presets were not tuned on, to check that
 their settings carry over (`data.path` at the copy; the shipped corpus's own ids and sizes change).
 
     .venv/bin/python -m experiments.article_subset --articles 6-11 --out /tmp/squad-a6-11

@@ -1,4 +1,4 @@
-"""ORQA's reader choices on the DEV split (issue 18): one set of pre-trained models, the open-QA
+r"""ORQA's reader choices on the DEV split (issue 18): one set of pre-trained models, the open-QA
 readers fine-tuned and evaluated once per variant, paired tests over the dev questions.
 
 A variant is a name and dotted overrides of `finetune.*`, `warm_start.head_lr` (the span head's rate) or

@@ -1,4 +1,4 @@
-"""Does REALM's reader learn to read in its warm-up? Issue 28, item 1.
+r"""Does REALM's reader learn to read in its warm-up? Issue 28, item 1.
 
 For each variant (dotted param overrides over the workspace's params.yaml), build the knowledge-augmented
 encoder as `pretrain_realm` does (from models/retromae/encoder, seeded), run `reader_warmup` on the
@@ -8,9 +8,9 @@ block, a random block without the span, a block of x's article without it, the n
 (components/eval/realm_reading.py). A reader that reads copies from its own block: `acc_own_block` far
 above `acc_null`, and log p(y|x,z_answer) - log p(y|x,z_other) several nats.
 
-    .venv/bin/python -m experiments.reader_warmup_study --workspace WS \\
-        --variant base: \\
-        --variant own300:realm.reader_warmup_doc=own_block,realm.reader_warmup_steps=300,realm.reader_warmup_lr=3e-4 \\
+    .venv/bin/python -m experiments.reader_warmup_study --workspace WS \
+        --variant base: \
+        --variant own300:realm.reader_warmup_doc=own_block,realm.reader_warmup_steps=300,realm.reader_warmup_lr=3e-4 \
         --out experiments/results/reader_warmup.jsonl
 
 WS must have run `pretrain_retromae` (data/tokens, models/retromae/encoder). Results append to `--out`

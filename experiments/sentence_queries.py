@@ -1,4 +1,4 @@
-"""A retrieval set from a corpus of prose that has no questions: for each drawn paragraph, one of its
+r"""A retrieval set from a corpus of prose that has no questions: for each drawn paragraph, one of its
 sentences becomes the query and is removed from the paragraph, whose rest is the one relevant
 passage (the Inverse Cloze Task's pairs, ORQA's, scored as an eval set). A BEIR folder, so the
 presets run on it with `data.path` pointed at it: a corpus from another domain than the shipped
@@ -10,13 +10,12 @@ SQuAD slice, to check that their settings carry over.
 
 The source is JSON lines (gzip read too), one paragraph per line, read as `data.source: jsonl` reads it:
 its text in `--text-field`, its id in `--id-field` (without one: `<file stem>-<line>`) and, if given, a
-title in `--title-field`. Only paragraphs of
-at least `--min-sentences` sentences, each of at least `--min-words` words, are drawn, so that a query is
-a whole sentence and its passage keeps some context. Sentences are cut by a rule (., ! or ? then
-whitespace and a capital, digit or opening quote), not by a parser. Writes corpus.jsonl.gz,
-queries.jsonl.gz and qrels/test.tsv.gz; no qa.jsonl, so the open-QA readers are skipped and the table has
-retrieval rows only. Caveat: the queries are ICT's own kind of pair, so a model trained with ICT
-(`realm.ict_steps`) is scored on its training task.
+title in `--title-field`. Only paragraphs of at least `--min-sentences` sentences, each of at least
+`--min-words` words, are drawn, so that a query is a whole sentence and its passage keeps some context.
+Sentences are cut by a rule (., ! or ? then whitespace and a capital, digit or opening quote), not by a
+parser. Writes corpus.jsonl.gz, queries.jsonl.gz and qrels/test.tsv.gz; no qa.jsonl, so the open-QA
+readers are skipped and the table has retrieval rows only. Caveat: the queries are ICT's own kind of
+pair, so a model trained with ICT (`realm.ict_steps`) is scored on its training task.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A real-text preset's claims over seeds (`small`, or `--preset default`: params.yaml as committed):
+r"""A real-text preset's claims over seeds (`small`, or `--preset default`: params.yaml as committed):
 the whole pipeline once per seed, then every paper comparison per seed and pooled over (seed, query) pairs.
 
     python -m experiments.small_seeds --seeds 0 1 --split test         # one fresh clone of HEAD per seed (~30 min to ~2 h each)
