@@ -45,11 +45,14 @@ def model_card(run: StageRun, path: Path, name: str, task: str | None):
     license_ = getattr(base.data, "license", None) if base is not None else None
     data = run.params.data
     corpus = f"`data.source: {data.source}`" + (f", `data.path: {data.path}`" if data.path else "")
+    terms = Path(data.path) / "LICENSE" if data.path else None  # a corpus folder's own (the shipped slice has one)
+    if terms is not None and terms.is_file():
+        corpus += f"; its terms: `{terms}`"
     body = next((f.read_text() for f in (path / "model_card.md", path.parent / "model_card.md") if f.is_file()),
                 f"# {name}\n\nLogged by retro-realm's `{run.stage}` stage from `{path}`.\n")
     body += ("\n## Licence\n\n" + (f"`{license_}`, as the warm start's model card declares it (`warm_start.path`: "
                                        f"`{run.params.warm_start.path}`). " if license_ else "None declared. ")
-             + f"The training corpus's licence applies too ({corpus}; the shipped SQuAD slice's is CC BY-SA 4.0).\n")
+             + f"The training corpus's licence applies too ({corpus}).\n")
     meta = ModelCardData(license=license_, base_model=run.params.warm_start.path, library_name="transformers",
                          pipeline_tag=task, tags=["retro-realm", run.stage])
     return ModelCard(f"---\n{meta.to_yaml()}\n---\n{body}")

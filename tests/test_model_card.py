@@ -1,4 +1,4 @@
-"""The model card a transformers-flavored MLflow model carries (flows/_stage.model_card): the stage's own
+"""The model card a transformers-flavored MLflow model carries (flows/_model_card.py): the stage's own
 model_card.md under card data that names the warm start as the base model with the licence its card
 declares, and none claimed where no card declares one."""
 
@@ -11,8 +11,8 @@ from flows._model_card import model_card
 from tests.conftest import tiny_params
 
 
-def _stage_run(warm: str | None):
-    return SimpleNamespace(params=tiny_params(**{"warm_start.path": warm}), stage="pretrain_retromae")
+def _stage_run(warm: str | None, **params):
+    return SimpleNamespace(params=tiny_params(**{"warm_start.path": warm, **params}), stage="pretrain_retromae")
 
 
 def _warm_folder(tmp_path, license_: str | None):
@@ -44,3 +44,14 @@ def test_without_a_declared_licence_the_card_claims_none(tmp_path):
         assert card.data.license is None and card.data.base_model == warm
         assert card.text.startswith("# init-encoder\n\nLogged by retro-realm's `pretrain_retromae` stage")
         assert "None declared." in card.text
+
+
+def test_the_licence_section_points_at_the_corpus_folders_own_terms(tmp_path):
+    model = tmp_path / "encoder"
+    model.mkdir()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    run = _stage_run(None, **{"data.source": "beir", "data.path": str(corpus)})
+    assert model_card(run, model, "e", None).text.endswith(f"(`data.source: beir`, `data.path: {corpus}`).\n")
+    (corpus / "LICENSE").write_text("CC BY-SA 4.0\n")
+    assert f"`data.path: {corpus}`; its terms: `{corpus / 'LICENSE'}`)" in model_card(run, model, "e", None).text
