@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workspace import fresh_clone  # noqa: E402
+from components.cpuinfo import cpu_model  # noqa: E402
 from components.io import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         realm_steps = a.realm_steps if a.realm_steps is not None else a.steps
         sets = step_overrides(a.preset, a.steps, realm_steps, a.ict_steps)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+        cpu = cpu_model()
         results = {"preset": a.preset, "upto": a.upto, "steps": a.steps, "realm_steps": realm_steps, "commit": commit, "cpu": cpu,
                    "overrides": sets, "arms": {}}
         for arm in a.arms:

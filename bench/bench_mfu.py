@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_step import make_batch as retromae_batch, summarize, timed  # noqa: E402
 from bench.bench_step_parts import dpr_batch, realm_batch  # noqa: E402
 from components.config import Params, load_params  # noqa: E402
+from components.cpuinfo import cpu_model  # noqa: E402
 from components.data.special_tokens import SpecialTokens  # noqa: E402
 from components.data.tokenize import load_tokenizer  # noqa: E402
 from components.io import write_json_atomic  # noqa: E402
@@ -294,14 +295,6 @@ def train_step(m: Model, precision: str, variant: str = "eager") -> None:
 # ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
-    except OSError:
-        return platform.processor()
-
-
 def git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,

@@ -50,7 +50,6 @@ import argparse
 import fnmatch
 import gzip
 import json
-import re
 import subprocess
 import sys
 import time
@@ -62,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from components.eval.comparisons import RETRIEVAL_METRICS, Comparison, paper_comparisons, per_query_path, read_per_query  # noqa: E402
 from components.eval.significance import paired_test, per_query_metric, pooled_by_run  # noqa: E402
 from bench.workspace import fresh_clone  # noqa: E402
+from components.cpuinfo import cpu_label  # noqa: E402
 from components.eval.report import write_plots  # noqa: E402
 from components.io import write_bytes_atomic, write_text_atomic  # noqa: E402
 from components.progress import format_duration  # noqa: E402
@@ -129,15 +129,6 @@ def stage_seconds(ws: Path) -> dict[str, float]:
     return out
 
 
-def cpu_name() -> str:
-    """`AMD EPYC (avx2)`: the model name and the widest vector / bf16 flags, what CPU speed depends on."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-    flags = set((re.search(r"^flags\s*:\s*(.+)$", text, re.M) or [None, ""])[1].split())
-    have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in flags][:2]
-    return f"{name.group(1).strip() if name else 'unknown'} ({', '.join(have) or 'no avx'})"
-
-
 def archive(ws: Path, seed: int, name: str = "small") -> Path:
     """A finished workspace -> experiments/results/<name>_seeds/seed<N>.json.gz (written atomically): its
     record as `load_seed` reads it, with the seed, commit and CPU, and only the table's metrics."""
@@ -146,7 +137,7 @@ def archive(ws: Path, seed: int, name: str = "small") -> Path:
     rec["per_query"] = {system: {q: {m: round(v, 6) for m, v in scores.items() if m in ROW_METRICS} for q, scores in pq.items()}
                         for system, pq in rec["per_query"].items()}
     commit = subprocess.run(["git", "-C", str(ws), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    rec.update(seed=seed, commit=commit, cpu=cpu_name())
+    rec.update(seed=seed, commit=commit, cpu=cpu_label())
     return write_archive(rec, name)
 
 

@@ -23,7 +23,7 @@ LAYERS = ["base", "data", "models", "index/retrieval", "training", "eval", "stag
 RANK = {name: i for i, name in enumerate(LAYERS)}
 _BY_PREFIX = {  # dotted module prefix -> layer; the longest matching prefix wins
     "components.config": "base", "components.config_file": "base", "components.config_shared": "base",
-    "components.config_stages": "base", "components.io": "base", "components.paths": "base", "components.progress": "base",
+    "components.config_stages": "base", "components.cpuinfo": "base", "components.io": "base", "components.paths": "base", "components.progress": "base",
     "components.quiet_logs": "base",
     "components.data": "data",
     "components.models": "models",

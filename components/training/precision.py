@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from components.cpuinfo import cpu_flags_and_model
 from components.io import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -28,26 +29,12 @@ BF16_MIN_SPEEDUP = 1.25
 PRECISION_CACHE_ENV = "RR_PRECISION_CACHE"
 
 
-def _cpu_flags_and_model() -> tuple[set[str], str]:
-    flags, model = set(), ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-                elif line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return flags, model
-
-
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 or AMX-BF16, read from
     /proc/cpuinfo). Without them oneDNN emulates bf16, and autocast is 2-3x slower than fp32. With
     them bf16 is usually faster, not always: `cpu_bf16_speedup` measures it."""
-    return bool(_cpu_flags_and_model()[0] & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags_and_model()[0] & {"avx512_bf16", "amx_bf16"})
 
 
 def precision_cache_path() -> Path:
@@ -59,7 +46,7 @@ def precision_cache_path() -> Path:
 
 
 def _machine_key() -> str:
-    flags, model = _cpu_flags_and_model()
+    flags, model = cpu_flags_and_model()
     isa = ",".join(sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2"))))
     return f"{model or 'unknown cpu'} | {isa} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
