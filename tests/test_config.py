@@ -201,7 +201,7 @@ OWN = ("batch_size", "grad_accum", "lr", "max_steps", "checkpoint_every")
 # Every preset's trainer blocks as they resolved before the group existed (aa05e94, each block spelling out
 # all its keys): the group changed the file's shape, no value. A deliberate value change updates this table.
 BEFORE_GROUP = {
-    "default": {"retromae.train": (8, 1, 2e-5, 150, 50), "realm.train": (4, 4, 3e-5, 6, 6, "ratio"),
+    "default": {"retromae.train": (8, 1, 2e-5, 200, 50), "realm.train": (4, 4, 3e-5, 6, 6, "ratio"),
                 "finetune.train": (8, 1, 5e-5, 12, 12), "finetune.qa_train": (4, 1, 1e-4, 4, 4)},
     "tiny": {"retromae.train": (16, 1, 3e-4, 60, 20), "realm.train": (8, 1, 3e-5, 200, 20, "ratio"),
              "finetune.train": (16, 1, 1e-3, 40, 20), "finetune.qa_train": (4, 1, 5e-4, 20, 10)},
