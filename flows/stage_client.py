@@ -18,9 +18,11 @@ import os
 import signal
 import socket
 import sys
+import time
 
 ENV_SERVER = "RR_STAGE_SERVER"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EARLY_SIGNAL_GRACE_S = 2.0  # how long a signal that came before the stage's pid waits for it
 
 
 def run_cold(argv: list[str], why: str | None) -> None:
@@ -30,10 +32,23 @@ def run_cold(argv: list[str], why: str | None) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def _read_line(sock: socket.socket, buf: bytearray) -> dict | None:
-    """The next newline-terminated JSON message, or None when the server closed the connection."""
+def _end_by(signum: int) -> None:
+    """Die by `signum` at its default action, as `python -m` would have."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    sys.exit(128 + signum)  # only if the default action did not end the process
+
+
+def _read_line(sock: socket.socket, buf: bytearray, give_up=None) -> dict | None:
+    """The next newline-terminated JSON message, or None when the server closed the connection. On a
+    socket with a timeout, `give_up()` is asked at each one; TimeoutError when it says so."""
     while b"\n" not in buf:
-        chunk = sock.recv(4096)
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            if give_up is not None and give_up():
+                raise
+            continue
         if not chunk:
             return None
         buf += chunk
@@ -53,15 +68,26 @@ def main(argv: list[str]) -> None:
         run_cold(argv, "not ready yet" if not os.path.exists(path) else f"cannot connect to {path} ({e.strerror or e})")
     ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) is signal.SIG_IGN]  # nohup, `cmd &`
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "ignored_signals": ignored}).encode()
-    # The stage starts (and may print) before its pid reaches us: a signal sent in between stays pending
-    # until `forward` is installed, instead of killing this client and leaving the stage to the server.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    # The stage starts (and may print) before its pid reaches us. A signal in between is kept and
+    # forwarded once the pid arrives; if the server does not answer within EARLY_SIGNAL_GRACE_S of it, the
+    # request is dropped (the server takes down a stage whose client left) and the signal ends us.
+    handled = [sig for sig in FORWARDED if int(sig) not in ignored]
+    early: list[tuple[int, float]] = []  # (signal, when), before the pid
+    for sig in handled:
+        signal.signal(sig, lambda signum, _frame: early.append((signum, time.monotonic())))
     socket.send_fds(sock, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
     buf = bytearray()
-    reply = _read_line(sock, buf)
+    sock.settimeout(0.1)
+    try:
+        reply = _read_line(sock, buf, give_up=lambda: bool(early) and time.monotonic() - early[0][1] > EARLY_SIGNAL_GRACE_S)
+    except TimeoutError:
+        sock.close()
+        _end_by(early[0][0])
+    sock.settimeout(None)
     if reply is None or "refused" in reply:
         sock.close()
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending signal ends us here, as it would a cold run
+        if early:  # signalled before anything ran: end as a cold run signalled then would
+            _end_by(early[0][0])
         run_cold(argv, reply["refused"] if reply else "the server closed the connection")
     pid = reply["pid"]
 
@@ -71,10 +97,10 @@ def main(argv: list[str]) -> None:
         except ProcessLookupError:
             pass
 
-    for sig in FORWARDED:
-        if int(sig) not in ignored:
-            signal.signal(sig, forward)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # delivers, and so forwards, what arrived meanwhile
+    for sig in handled:
+        signal.signal(sig, forward)
+    for signum, _ in early:  # read after `forward` is in place, so none is missed
+        forward(signum, None)
     done = _read_line(sock, buf)
     if done is None:  # the server died under a running stage: do not leave the stage running unowned
         forward(signal.SIGTERM, None)

@@ -261,24 +261,34 @@ def test_the_pipeline_starts_its_stage_server_and_tracking_store_while_the_prefe
     assert "RR_PREFECT_FLOW_RUN_ID" in RUNTIME_ENV
 
 
-def test_a_signal_before_the_stages_pid_arrives_is_forwarded_not_fatal(tmp_path):
-    """The stage may print before the server's reply with its pid reaches the client: a SIGTERM in that
-    window must wait for the forwarding handler instead of killing the client (a stand-in server holds
-    the reply back until the signal was sent, so the window is hit every time)."""
+def _stand_in_server(tmp_path):
+    """A listening socket that plays the server by hand, so a test can hold its reply back."""
     sock_path = tmp_path / "s.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock_path))
     listener.listen(1)
+    return listener, sock_path
+
+
+def _take_request(conn) -> None:
+    _, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_signal_before_the_stages_pid_arrives_is_forwarded_not_fatal(tmp_path):
+    """The stage may print before the server's reply with its pid reaches the client: a SIGTERM in that
+    window must reach the stage once the pid arrives instead of killing the client (the stand-in server
+    holds the reply back until the signal was sent, so the window is hit every time)."""
+    listener, sock_path = _stand_in_server(tmp_path)
     stage = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     client = _client(tmp_path, sock_path, "--sleep")
     try:
         conn, _ = listener.accept()
         with conn:
-            _, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)  # the request: the client has blocked its signals
-            for fd in fds:
-                os.close(fd)
+            _take_request(conn)  # the client has its early-signal handlers in place by now
             client.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
+            time.sleep(0.3)
             assert client.poll() is None, "the signal killed the client before it knew the stage's pid"
             conn.sendall(json.dumps({"pid": stage.pid}).encode() + b"\n")
             assert stage.wait(timeout=30) == -signal.SIGTERM
@@ -288,4 +298,25 @@ def test_a_signal_before_the_stages_pid_arrives_is_forwarded_not_fatal(tmp_path)
         for p in (stage, client):
             p.kill()
             p.wait()
+        listener.close()
+
+
+def test_a_signal_with_no_answer_from_the_server_ends_the_client_and_its_request(tmp_path):
+    """A server that never replies: the early signal waits EARLY_SIGNAL_GRACE_S for the pid, then the client
+    closes the connection (the real server takes down a stage whose client left) and dies by the signal."""
+    from flows.stage_client import EARLY_SIGNAL_GRACE_S
+
+    listener, sock_path = _stand_in_server(tmp_path)
+    client = _client(tmp_path, sock_path, "--sleep")
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            _take_request(conn)
+            client.send_signal(signal.SIGINT)
+            assert client.wait(timeout=EARLY_SIGNAL_GRACE_S + 30) == -signal.SIGINT
+            conn.settimeout(10)
+            assert conn.recv(1) == b"", "the client left its request open"
+    finally:
+        client.kill()
+        client.wait()
         listener.close()
