@@ -48,8 +48,11 @@ from flows import run_main
 ENV_SERVER = "RR_STAGE_SERVER"
 OFF = ("off", "0", "false", "no")
 # Read when a stage runs, not when a library is imported: they may differ from the server's.
+# _MLFLOW_TELEMETRY_SESSION_ID: MLflow sets it when a process with telemetry on imports it (a caller such as
+# experiments/small_seeds.py) and unsets it on import with telemetry off (flows/__init__.py), so the server
+# and a stage's client could see it differ and every stage ran cold; the stages run with telemetry off.
 RUNTIME_ENV = ("RR_STAGE_SERVER", "RR_PARENT_RUN_ID", ENV_FLOW_RUN, "RR_STAGE_ITEM", ENV_STAGE_PROCESS, "PWD", "OLDPWD",
-               "SHLVL", "_")
+               "SHLVL", "_", "_MLFLOW_TELEMETRY_SESSION_ID")
 RUNTIME_ENV_PREFIXES = ("DVC_",)  # DVC_ROOT, DVC_STAGE: set by `dvc repro` for each stage
 # What the stages import at their module level or in their bodies; a missing one is skipped.
 PRELOAD = ("numpy", "torch", "transformers", "transformers.models.bert.modeling_bert", "datasets", "faiss",

@@ -62,12 +62,12 @@ def _env(**extra) -> dict[str, str]:
 
 
 @pytest.fixture
-def server(workdir):
+def server(workdir, request):
     """A server for `pkg.*` in `workdir` (it preloads `json`, `numpy.random` and the stage module itself, as the real server preloads the
-    stage flows: the mechanism, not the speed)."""
+    stage flows: the mechanism, not the speed); indirect parametrisation adds variables to its environment."""
     sock = workdir / "server.sock"
     proc = subprocess.Popen([sys.executable, "-m", "flows.stage_server", "--socket", str(sock), "--preload", "json", "numpy.random", "pkg.hello",
-                             "--modules", "pkg."], cwd=workdir, env=_env(), stdout=subprocess.PIPE,
+                             "--modules", "pkg."], cwd=workdir, env=_env(**getattr(request, "param", {})), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     t0 = time.monotonic()
     while not sock.exists():
@@ -125,6 +125,15 @@ def test_an_environment_the_imports_did_not_see_runs_cold(workdir, server):
     assert "differs from the server's in OMP_NUM_THREADS" in err
 
 
+@pytest.mark.parametrize("server", [{"_MLFLOW_TELEMETRY_SESSION_ID": "3f2a"}], indirect=True)
+def test_mlflows_telemetry_session_in_one_environment_only_is_still_served(workdir, server):
+    """A caller that imported MLflow with telemetry on passes the server its session id; the stages' own
+    MLflow import, with telemetry off, drops it before DVC starts their clients."""
+    proc, sock = server
+    rc, seen, err, _ = _run(workdir, sock)
+    assert rc == 0 and seen["ppid"] == proc.pid, err
+
+
 def test_no_server_runs_cold(workdir):
     rc, seen, err, client_pid = _run(workdir, workdir / "absent.sock", "--exit", "4")
     assert (rc, seen["pid"]) == (4, client_pid)
@@ -177,6 +186,7 @@ def test_env_difference_ignores_what_is_read_at_run_time_only():
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     runtime = {k: "x" for k in RUNTIME_ENV} | {"DVC_ROOT": "/r", "DVC_STAGE": "s"}
     assert env_difference(base, {**base, **runtime}) == []
+    assert env_difference({**base, "_MLFLOW_TELEMETRY_SESSION_ID": "a1"}, base) == []  # MLflow's own, unset on import
     assert env_difference(base, {**base, "OMP_NUM_THREADS": "2", "PREFECT_API_URL": "u"}) == ["OMP_NUM_THREADS", "PREFECT_API_URL"]
     assert env_difference(base, {"PATH": "/bin"}) == ["OMP_NUM_THREADS"]
 
