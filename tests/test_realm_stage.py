@@ -548,10 +548,13 @@ def test_resume_after_a_kill_rebuilds_from_resumed_weights_and_ignores_partial_i
     assert IndexStore(root).versions() == [1, 2]
     # a half-written index from the kill: a valid-looking index of the wrong dim that would break search if loaded
     BlockIndex.build(np.eye(3, dtype=np.float32), None, "flat").save(root / ".tmp-v0009")
+    cut = root.parent / ".tmp-refresh_history.json.k1ll3d"  # and a history write the kill cut short
+    cut.write_text('{"ver')
 
     summary, run_id, _ = run_stage(**overrides)
     assert summary["resumed_from"] == 2 and summary["step"] == 4
     assert not (root / ".tmp-v0009").exists() and 9 not in IndexStore(root).versions()
+    assert not cut.exists()
     kids = refresh_children(run_id)
     assert [(k.data.tags["rr.refresh_reason"], int(k.data.metrics["step"])) for k in kids] == [("initial", 2), ("cadence", 4)]
     assert [int(k.data.tags["rr.index_version"]) for k in kids] == [3, 4]

@@ -58,7 +58,7 @@ from components.data.salient_spans import span_tagger_for
 from components.eval.realm_probes import evaluate_mlm, probe_sets, run_probes
 from components.index.faiss_index import IndexStore
 from components.index.realm_refresh import IndexRefresh, RefreshContext, RefreshWrapper
-from components.io import atomic_dir, write_json_atomic, write_text_atomic
+from components.io import atomic_dir, remove_leftovers, write_json_atomic, write_text_atomic
 from components.models.realm import REALM_CONFIG, build_model
 from components.stages.common import (ENV_STAGE_ITEM, MetricRecorder, RankZeroLogger, checkpoint_dir, shared_phase,
                                       torchrun_worker, write_loss_curve, write_stage_metrics)
@@ -182,6 +182,8 @@ def train_realm(
     ckpt_root = checkpoint_root(params, arm, corpus_dir, retromae_dir)
     # The process group must exist before asking for the rank (the Trainer would create it later, too late).
     rank0 = D.init_distributed(params.compute).rank == 0
+    if rank0:  # what a kill cut short in the arm's own folder (refresh_history.json); the Trainer and the
+        remove_leftovers(ckpt_root)  # index store sweep their subfolders, and no write is in flight yet
     if run is not None and rank0:
         tagger = span_tagger_for(p)
         run.set_tags({"realm.retriever_init": p.retriever_init, "realm.refresh_mode": p.refresh_mode,
