@@ -32,7 +32,7 @@ def cpu_model() -> str:
 
 
 def cpu_label() -> str:
-    """`AMD EPYC (avx512_bf16, avx512f)`: the model name and its two widest speed flags."""
+    """`AMD EPYC (avx512_bf16, avx512f)`: the model name and the first two of SPEED_FLAGS it has."""
     flags = cpu_flags_and_model()[0]
     have = [f for f in SPEED_FLAGS if f in flags][:2]
     return f"{cpu_model()} ({', '.join(have) or 'no avx'})"

@@ -5,33 +5,39 @@ so that only those flows import the warm start's resolution (components/models/e
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from components.config import Params
 from components.tracking import StageRun
 
 
-def _warm_start_card(params: Params):
-    """The warm start's own model card (README.md of its folder, or of a hub model already in the
-    local HF cache; never a download), or None."""
-    from huggingface_hub import ModelCard, try_to_load_from_cache
-
+def _warm_start_licence(params: Params) -> str | None:
+    """The licence the warm start's own model card declares, or None (no warm start, no card, none declared)."""
     from components.models.encoder import warm_start_path
 
     try:
         spec = warm_start_path(params)
     except ValueError:
         return None
-    if spec is None:
-        return None
+    return None if spec is None else _declared_licence(spec)
+
+
+@functools.cache  # per resolved warm start: a stage logs several models from one (retromae and init)
+def _declared_licence(spec: str) -> str | None:
+    """The licence in the model card (README.md) of the folder `spec`, or of a hub model already in the
+    local HF cache (never a download)."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+
     readme: Path | None = Path(spec) / "README.md"
     try:
         if not Path(spec).exists():  # a hub name: its README only if already in the local HF cache
             cached = try_to_load_from_cache(spec, "README.md")
             readme = Path(cached) if isinstance(cached, str) else None
-        return ModelCard.load(str(readme)) if readme is not None and readme.is_file() else None
+        card = ModelCard.load(str(readme)) if readme is not None and readme.is_file() else None
     except Exception:  # noqa: BLE001 - no card, or one that does not parse: no licence to pass on
         return None
+    return getattr(card.data, "license", None) if card is not None else None
 
 
 def model_card(run: StageRun, path: Path, name: str, task: str | None):
@@ -41,8 +47,7 @@ def model_card(run: StageRun, path: Path, name: str, task: str | None):
     HF hub for one under the folder's path and warns twice per model."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    base = _warm_start_card(run.params)
-    license_ = getattr(base.data, "license", None) if base is not None else None
+    license_ = _warm_start_licence(run.params)
     data = run.params.data
     corpus = f"`data.source: {data.source}`" + (f", `data.path: {data.path}`" if data.path else "")
     terms = Path(data.path) / "LICENSE" if data.path else None  # a corpus folder's own (the shipped slice has one)
